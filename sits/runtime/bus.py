@@ -1,0 +1,347 @@
+"""The Kafka event bus every service uses (aiokafka).
+
+Producer: records keyed by target, CloudEvents headers, the current trace
+context injected as `traceparent`/`tracestate`, and a PRODUCER span per record.
+
+Consumer: offsets are committed only after the handler finished (at-least-once;
+handlers are idempotent on event_id / command_id). A record that cannot be
+decoded, has an unknown `ce_type` or a malformed header goes to the dead-letter
+topic with the reason in a header, and consumption continues. A handler that
+raises leaves its record uncommitted: the consumer seeks back and retries after
+a backoff, so a dependency outage (Redis, say) delays work and loses none.
+When a consumer lags, metric samples in one poll are coalesced per target
+(latest wins), so a burst costs one handler call per target, not per sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from google.protobuf.message import Message
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from sits.runtime import metrics
+from sits.runtime.events import (
+    DLQ_REASON_HEADER,
+    EnvelopeError,
+    Topics,
+    cloudevent_headers,
+    decode_event,
+    header_value,
+    meta_of,
+    target_key,
+)
+from sits.runtime.settings import Settings
+from sits.runtime.tracing import extract_headers, inject_headers, is_valid_traceparent
+from sits.v1 import events_pb2
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("sits.bus")
+
+Header = tuple[str, bytes]
+COALESCED_TYPES = frozenset({events_pb2.MetricSample.DESCRIPTOR.full_name})
+
+
+async def ensure_topics(settings: Settings, topics: Sequence[str] | None = None) -> None:
+    """Create the SITS topics that do not exist yet."""
+    wanted = list(topics) if topics is not None else Topics(settings.topic_prefix).all()
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        missing = [t for t in wanted if t not in existing]
+        if missing:
+            new = [NewTopic(t, num_partitions=settings.kafka_partitions, replication_factor=1) for t in missing]
+            with contextlib.suppress(TopicAlreadyExistsError):
+                await admin.create_topics(new)
+    finally:
+        await admin.close()
+
+
+class EventProducer:
+    """Publishes SITS events; an async context manager whose stop() is safe twice."""
+
+    def __init__(self, settings: Settings, *, linger_ms: int = 2) -> None:
+        self._settings = settings
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=settings.kafka_bootstrap,
+            enable_idempotence=settings.kafka_enable_idempotence,
+            acks="all",
+            linger_ms=linger_ms,
+            request_timeout_ms=settings.kafka_request_timeout_ms,
+        )
+        self._started = False
+
+    async def start(self) -> None:
+        if not self._started:
+            await self._producer.start()
+            self._started = True
+
+    async def stop(self) -> None:
+        if self._started:
+            self._started = False
+            await self._producer.stop()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def publish(self, topic: str, message: Message) -> None:
+        """Publish and wait until the broker has it."""
+        await (await self.enqueue(topic, message))
+
+    async def enqueue(self, topic: str, message: Message) -> asyncio.Future[Any]:
+        """Hand the record to the producer's batch; await the returned future for delivery."""
+        meta = meta_of(message)
+        with tracer.start_as_current_span(
+            f"{topic} publish",
+            kind=SpanKind.PRODUCER,
+            attributes={
+                "messaging.system": "kafka",
+                "messaging.destination.name": topic,
+                "messaging.message.id": meta.event_id,
+                "sits.event_type": message.DESCRIPTOR.full_name,
+            },
+        ):
+            headers: list[Header] = cloudevent_headers(message)
+            inject_headers(headers)
+            future = await self._producer.send(
+                topic,
+                value=message.SerializeToString(),
+                key=target_key(meta.target).encode(),
+                headers=headers,
+            )
+        metrics.EVENTS_OUT.labels(topic=topic).inc()
+        delivery: asyncio.Future[Any] = future
+        return delivery
+
+    async def forward_raw(self, topic: str, key: bytes | None, value: bytes | None, headers: list[Header]) -> None:
+        await (await self._producer.send(topic, value=value, key=key, headers=headers))
+
+    async def flush(self) -> None:
+        await self._producer.flush()
+
+
+@dataclass(frozen=True)
+class ReceivedEvent:
+    topic: str
+    partition: int
+    offset: int
+    key: str
+    message: Message
+    headers: tuple[Header, ...]
+    # How many samples this one stands for after coalescing (1 when none were folded in).
+    coalesced: int = 1
+
+    @property
+    def event_type(self) -> str:
+        return self.message.DESCRIPTOR.full_name
+
+
+Handler = Callable[[ReceivedEvent], Awaitable[None]]
+
+
+@dataclass
+class ConsumerStats:
+    handled: int = 0
+    dead_lettered: int = 0
+    coalesced: int = 0
+    retries: int = 0
+    dead_letter_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class EventConsumer:
+    """Consumes SITS events for one consumer group and hands each to `handler`."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        group_id: str,
+        topics: Sequence[str],
+        handler: Handler,
+        dead_letters: EventProducer,
+        coalesce: bool = True,
+        retry_backoff_s: float = 0.5,
+    ) -> None:
+        self._settings = settings
+        self._topics = list(topics)
+        self._handler = handler
+        self._dlq = dead_letters
+        self._dlq_topic = Topics(settings.topic_prefix).deadletter
+        self._coalesce = coalesce
+        self._retry_backoff_s = retry_backoff_s
+        self._group_id = group_id
+        self._consumer = AIOKafkaConsumer(
+            *self._topics,
+            bootstrap_servers=settings.kafka_bootstrap,
+            group_id=group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_poll_records=settings.consumer_max_batch,
+            # Tansu starts a group quickly; the default 3 s join delay would dominate tests.
+            session_timeout_ms=10_000,
+            heartbeat_interval_ms=1_000,
+        )
+        self._started = False
+        self.stats = ConsumerStats()
+
+    async def start(self) -> None:
+        if not self._started:
+            await self._consumer.start()
+            self._started = True
+
+    async def stop(self) -> None:
+        if self._started:
+            self._started = False
+            with contextlib.suppress(KafkaError):
+                await self._consumer.stop()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Poll, handle and commit until `stop` is set; the last handled batch is committed before return."""
+        while not stop.is_set():
+            batches = await self._consumer.getmany(timeout_ms=200, max_records=self._settings.consumer_max_batch)
+            for tp, records in batches.items():
+                await self._handle_partition(tp, records)
+            await self._export_lag()
+
+    async def _handle_partition(self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]]) -> None:
+        decoded: list[tuple[ConsumerRecord[bytes, bytes], Message]] = []
+        for record in records:
+            message = await self._decode_or_dead_letter(record)
+            if message is not None:
+                decoded.append((record, message))
+        for record, message, folded in self._coalesced(decoded):
+            event = ReceivedEvent(
+                topic=record.topic,
+                partition=record.partition,
+                offset=record.offset,
+                key=(record.key or b"").decode(errors="replace"),
+                message=message,
+                headers=tuple(record.headers),
+                coalesced=folded,
+            )
+            try:
+                await self._handle_traced(event)
+            except Exception:
+                # Everything before this record is done; this one and the rest come again.
+                log.exception("handler failed on %s[%d]@%d; retrying", record.topic, record.partition, record.offset)
+                self.stats.retries += 1
+                metrics.HANDLER_RETRIES.labels(topic=record.topic).inc()
+                await self._commit(tp, record.offset)
+                self._consumer.seek(tp, record.offset)
+                await asyncio.sleep(self._retry_backoff_s)
+                return
+        if records:
+            await self._commit(tp, records[-1].offset + 1)
+
+    def _coalesced(
+        self, decoded: list[tuple[ConsumerRecord[bytes, bytes], Message]]
+    ) -> list[tuple[ConsumerRecord[bytes, bytes], Message, int]]:
+        if not self._coalesce:
+            return [(r, m, 1) for r, m in decoded]
+        latest: dict[bytes, int] = {}
+        counts: dict[bytes, int] = {}
+        for index, (record, message) in enumerate(decoded):
+            if message.DESCRIPTOR.full_name in COALESCED_TYPES:
+                key = record.key or b""
+                latest[key] = index
+                counts[key] = counts.get(key, 0) + 1
+        keep: list[tuple[ConsumerRecord[bytes, bytes], Message, int]] = []
+        for index, (record, message) in enumerate(decoded):
+            if message.DESCRIPTOR.full_name not in COALESCED_TYPES:
+                keep.append((record, message, 1))
+                continue
+            key = record.key or b""
+            if latest[key] == index:
+                keep.append((record, message, counts[key]))
+            else:
+                self.stats.coalesced += 1
+                metrics.EVENTS_COALESCED.labels(topic=record.topic).inc()
+        return keep
+
+    async def _handle_traced(self, event: ReceivedEvent) -> None:
+        parent = extract_headers(event.headers)
+        token = otel_context.attach(parent)
+        try:
+            with tracer.start_as_current_span(
+                f"{event.topic} process",
+                kind=SpanKind.CONSUMER,
+                attributes={
+                    "messaging.system": "kafka",
+                    "messaging.destination.name": event.topic,
+                    "messaging.consumer.group.name": self._group_id,
+                    "messaging.message.id": meta_of(event.message).event_id,
+                    "sits.event_type": event.event_type,
+                },
+            ):
+                started = time.perf_counter()
+                await self._handler(event)
+                metrics.HANDLER_SECONDS.labels(topic=event.topic).observe(time.perf_counter() - started)
+        finally:
+            otel_context.detach(token)
+        self.stats.handled += 1
+        metrics.EVENTS_IN.labels(topic=event.topic, type=event.event_type).inc()
+
+    async def _decode_or_dead_letter(self, record: ConsumerRecord[bytes, bytes]) -> Message | None:
+        headers = list(record.headers)
+        try:
+            traceparent = header_value(headers, "traceparent")
+            if traceparent is not None and not is_valid_traceparent(traceparent):
+                raise EnvelopeError("malformed_header", f"malformed traceparent {traceparent!r}")
+            return decode_event(headers, record.value)
+        except EnvelopeError as err:
+            reason, category = str(err), err.category
+        await self._dlq.forward_raw(
+            self._dlq_topic,
+            record.key,
+            record.value,
+            [
+                *[(k, v) for k, v in headers if not k.startswith("sits_dlq_")],
+                (DLQ_REASON_HEADER, reason.encode()),
+                ("sits_dlq_topic", record.topic.encode()),
+                ("sits_dlq_partition", str(record.partition).encode()),
+                ("sits_dlq_offset", str(record.offset).encode()),
+                ("sits_dlq_group", self._group_id.encode()),
+            ],
+        )
+        self.stats.dead_lettered += 1
+        self.stats.dead_letter_reasons[category] = self.stats.dead_letter_reasons.get(category, 0) + 1
+        metrics.DEAD_LETTERS.labels(topic=record.topic, reason=category).inc()
+        log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
+        return None
+
+    async def _commit(self, tp: TopicPartition, next_offset: int) -> None:
+        await self._consumer.commit({tp: next_offset})
+
+    async def _export_lag(self) -> None:
+        for tp in self._consumer.assignment():
+            highwater = self._consumer.highwater(tp)
+            if highwater is None:
+                continue
+            position = await self._consumer.position(tp)
+            metrics.CONSUMER_LAG.labels(topic=tp.topic, group=self._group_id).set(max(0, highwater - position))

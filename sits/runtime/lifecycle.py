@@ -1,0 +1,73 @@
+"""How a SITS process starts and stops.
+
+A service is an async function `serve(settings, stop)` that runs until the
+`stop` event is set and then drains: it finishes the record in hand, commits
+and closes its clients (async context managers). SIGTERM and the first SIGINT
+set `stop`; a second SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+from sits.runtime.settings import S, SettingsError, load_settings
+from sits.runtime.tracing import setup_tracing
+
+log = logging.getLogger(__name__)
+
+Serve = Callable[[S, asyncio.Event], Awaitable[None]]
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # aiokafka logs every reconnect attempt at ERROR; the bus reports outages itself.
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL if level != "DEBUG" else logging.DEBUG)
+
+
+def install_stop_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    interrupts = 0
+
+    def on_interrupt() -> None:
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts > 1:
+            log.warning("second interrupt: exiting now")
+            os._exit(130)
+        log.info("interrupt: draining (interrupt again to exit at once)")
+        stop.set()
+
+    def on_term() -> None:
+        log.info("SIGTERM: draining")
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGINT, on_interrupt)
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+
+
+def run_service(name: str, settings_cls: type[S], serve: Callable[[S, asyncio.Event], Awaitable[None]]) -> int:
+    """Load settings (failing fast), set up logs and traces, and run `serve` until stopped."""
+    try:
+        settings = load_settings(settings_cls)
+    except SettingsError as err:
+        print(f"sits {name}: {err}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level)
+    setup_tracing(f"sits-{name}", settings.otlp_endpoint)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+        await serve(settings, stop)
+
+    asyncio.run(main())
+    return 0

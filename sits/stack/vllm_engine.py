@@ -1,0 +1,227 @@
+"""A real vLLM engine for development and tests: random-weight Llama, gRPC server, clean exit.
+
+`make_random_llama(dir)` writes a small Llama-shaped model with random weights
+(head_dim 64: the CPU attention kernel rejects head_dim 16). `VllmServer` starts
+`python -m vllm.entrypoints.launchers.grpc_server` on it in its own process
+group, waits until the engine answers `HealthCheck`, and on exit terminates the
+whole group so no EngineCore process outlives it.
+
+With `scheduler_cls` set to SITS's scheduler (the default), the engine also
+serves the SITS engine-control endpoint (`control_address`) from inside the
+EngineCore process; `SITS_ENGINE_CONTROL_ADDR` tells the plugin where to bind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_CACHE = REPO_ROOT / ".cache" / "sits-random-llama"
+SITS_SCHEDULER_CLS = "services.executor.vllm_plugin.scheduler.SitsScheduler"
+CONTROL_ADDR_ENV = "SITS_ENGINE_CONTROL_ADDR"
+
+# The shape FACTS.md verified on the CPU build; changing it invalidates the cache.
+_MODEL_SHAPE = {
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+}
+
+
+def make_random_llama(directory: Path = DEFAULT_MODEL_CACHE, seed: int = 0) -> Path:
+    """Write (once) a random-weight Llama to `directory` and return it.
+
+    Written into a sibling temporary folder and renamed into place, so several
+    processes that ask at once never see a half-written model.
+    """
+    if (directory / "config.json").exists() and any(directory.glob("*.safetensors")):
+        return directory
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".llama-", dir=directory.parent))
+    try:
+        torch.manual_seed(seed)
+        config = LlamaConfig(**_MODEL_SHAPE, torch_dtype="float32")
+        LlamaForCausalLM(config).save_pretrained(staging)
+        try:
+            staging.rename(directory)
+        except OSError:
+            # Another process won the race; its copy is as good as ours.
+            if not (directory / "config.json").exists():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class VllmServerError(RuntimeError):
+    pass
+
+
+class VllmServer:
+    """`async with VllmServer(model_dir) as server:` gives a serving engine at `server.address`."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        port: int = 0,
+        control_port: int = 0,
+        max_model_len: int = 512,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 512,
+        kv_cache_space_gib: int = 1,
+        scheduler_cls: str | None = SITS_SCHEDULER_CLS,
+        extra_args: tuple[str, ...] = (),
+        log_path: Path | None = None,
+        startup_timeout_s: float = 180.0,
+    ) -> None:
+        self.model_dir = model_dir
+        self.port = port or free_port()
+        self.control_port = (control_port or free_port()) if scheduler_cls else 0
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_cache_space_gib = kv_cache_space_gib
+        self.scheduler_cls = scheduler_cls
+        self.extra_args = extra_args
+        self.log_path = log_path or Path(tempfile.gettempdir()) / f"sits-vllm-{self.port}.log"
+        self.startup_timeout_s = startup_timeout_s
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def control_address(self) -> str | None:
+        return f"127.0.0.1:{self.control_port}" if self.control_port else None
+
+    def command(self) -> list[str]:
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server",
+            "--model", str(self.model_dir),
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--skip-tokenizer-init",
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--enforce-eager",
+            # The prefill chunk cap needs chunked prefill; the CPU build leaves it to us.
+            "--enable-chunked-prefill",
+        ]
+        if self.scheduler_cls:
+            args += ["--scheduler-cls", self.scheduler_cls]
+        return args + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+        )
+        env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        if self.control_address:
+            env[CONTROL_ADDR_ENV] = self.control_address
+        return env
+
+    async def __aenter__(self) -> VllmServer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            self._process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                cwd=REPO_ROOT,
+                start_new_session=True,
+            )
+        try:
+            await self._wait_healthy()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _wait_healthy(self) -> None:
+        from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+        deadline = time.monotonic() + self.startup_timeout_s
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            while time.monotonic() < deadline:
+                if self._process is not None and self._process.poll() is not None:
+                    raise VllmServerError(
+                        f"vLLM exited with {self._process.returncode} during start-up; "
+                        f"log: {self.log_path}\n{self.log_tail()}"
+                    )
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    reply = await stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=2.0)
+                    if reply.healthy:
+                        return
+                await asyncio.sleep(0.5)
+        raise VllmServerError(
+            f"vLLM not healthy after {self.startup_timeout_s} s; log: {self.log_path}\n{self.log_tail()}"
+        )
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-max_bytes:].decode(errors="replace")
+
+    async def stop(self, grace_s: float = 15.0) -> None:
+        """Terminate the whole process group (API server, EngineCore); safe to call twice."""
+        process = self._process
+        if process is None:
+            return
+        self._process = None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while process.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        # The EngineCore may outlive its parent briefly: sweep the group either way.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=5)
