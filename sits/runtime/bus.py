@@ -222,7 +222,12 @@ class EventConsumer:
         await self.stop()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Poll, handle and commit until `stop` is set; the last handled batch is committed before return."""
+        """Poll, handle and commit until `stop` is set; the last handled batch is committed before return.
+
+        Starts the consumer if needed: joining a group takes seconds on some
+        brokers, so services answer health checks first and join here.
+        """
+        await self.start()
         while not stop.is_set():
             batches = await self._consumer.getmany(timeout_ms=200, max_records=self._settings.consumer_max_batch)
             for tp, records in batches.items():

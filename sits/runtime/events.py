@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from google.protobuf import timestamp_pb2
 from google.protobuf.message import DecodeError, Message
 
 from sits.v1 import common_pb2, events_pb2
@@ -157,3 +158,16 @@ def new_meta(source: str, target: common_pb2.Target, now: float) -> common_pb2.E
 
 def new_id() -> str:
     return uuid.uuid4().hex
+
+
+def memory_fraction(sample: events_pb2.MetricSample) -> float | None:
+    """How full the target is: device memory when NVML measured it, else the engine's KV cache."""
+    if sample.HasField("gpu") and sample.gpu.total_bytes > 0:
+        return sample.gpu.used_bytes / sample.gpu.total_bytes
+    if sample.HasField("engine"):
+        return sample.engine.kv_cache_usage
+    return None
+
+
+def seconds(timestamp: timestamp_pb2.Timestamp) -> float:
+    return timestamp.seconds + timestamp.nanos / 1e9

@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import grpc
 
@@ -34,7 +35,7 @@ SITS_SCHEDULER_CLS = "services.executor.vllm_plugin.scheduler.SitsScheduler"
 CONTROL_ADDR_ENV = "SITS_ENGINE_CONTROL_ADDR"
 
 # The shape FACTS.md verified on the CPU build; changing it invalidates the cache.
-_MODEL_SHAPE = {
+_MODEL_SHAPE: dict[str, Any] = {
     "vocab_size": 512,
     "hidden_size": 256,
     "intermediate_size": 512,
@@ -60,8 +61,8 @@ def make_random_llama(directory: Path = DEFAULT_MODEL_CACHE, seed: int = 0) -> P
     staging = Path(tempfile.mkdtemp(prefix=".llama-", dir=directory.parent))
     try:
         torch.manual_seed(seed)
-        config = LlamaConfig(**_MODEL_SHAPE, torch_dtype="float32")
-        LlamaForCausalLM(config).save_pretrained(staging)
+        config = LlamaConfig(**_MODEL_SHAPE)
+        LlamaForCausalLM(config).save_pretrained(staging)  # type: ignore[no-untyped-call]
         try:
             staging.rename(directory)
         except OSError:
@@ -164,10 +165,11 @@ class VllmServer:
     ) -> None:
         await self.stop()
 
-    async def start(self) -> None:
+    def _spawn(self) -> subprocess.Popen[bytes]:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
-            self._process = subprocess.Popen(
+            # Its own session, so stop() can signal the API server and EngineCore together.
+            return subprocess.Popen(
                 self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -175,6 +177,9 @@ class VllmServer:
                 cwd=REPO_ROOT,
                 start_new_session=True,
             )
+
+    async def start(self) -> None:
+        self._process = self._spawn()
         try:
             await self._wait_healthy()
         except BaseException:
@@ -217,9 +222,8 @@ class VllmServer:
         self._process = None
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while process.poll() is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(process.wait, grace_s)
         # The EngineCore may outlive its parent briefly: sweep the group either way.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)

@@ -1,0 +1,61 @@
+# SITS: two commands do everything: `make demo` and `make test`.
+# Every target sets up what it needs (a virtualenv at .venv, pinned installs, generated stubs).
+
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+STUBS := sits/v1/events_pb2.py
+PYTEST_ARGS ?=
+
+.PHONY: setup stubs demo test test-fast lint typecheck bench bench-gpu clean redis
+
+$(STAMP): requirements.lock pyproject.toml
+	@echo "==> creating the virtualenv and installing pinned packages (first run: a few minutes)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	@$(PY) -m pip install --quiet --upgrade pip
+	@$(PY) -m pip install --quiet -r requirements.lock
+	@# PyPI's torchvision/torchaudio break transformers imports beside the local CPU torch (FACTS.md).
+	@$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@$(PY) -m pip install --quiet --no-deps -e .
+	@touch $(STAMP)
+
+setup: $(STAMP) $(STUBS)
+
+$(STUBS): $(STAMP) $(wildcard protos/sits/v1/*.proto) scripts/gen_protos.py
+	@echo "==> generating sits.v1 stubs from protos/"
+	@$(PY) scripts/gen_protos.py
+
+stubs: $(STUBS)
+
+redis:
+	@scripts/ensure_redis.sh
+
+demo: setup redis
+	@$(VENV)/bin/sits demo
+
+lint: setup
+	@echo "==> ruff"
+	@$(VENV)/bin/ruff check .
+	@$(VENV)/bin/ruff format --check .
+
+typecheck: setup
+	@echo "==> mypy"
+	@$(VENV)/bin/mypy
+
+test: setup redis lint typecheck
+	@echo "==> pytest (real Tansu, Redis, Envoy, vLLM on the CPU)"
+	@$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup redis
+	@$(PY) -m pytest -m "not vllm and not slow" $(PYTEST_ARGS)
+
+bench: setup redis
+	@$(PY) bench/run_all.py
+
+bench-gpu:
+	@echo "GPU benchmarks run on the H200 through the device tool: see bench/README.md"
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .run sits/v1/*_pb2*.py*

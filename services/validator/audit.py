@@ -1,0 +1,87 @@
+"""The audit trail in Redis: command -> action -> verdict, with trace ids.
+
+Verdicts are stored once per action (the first wins, so a redelivered result
+never produces a second verdict), indexed by time, by target and by outcome
+for ListVerdicts. Pending watches live here too, so a restarted validator
+picks up the actions it was watching.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import redis.asyncio as aioredis
+
+from services.validator.domain import PendingAction
+from sits.v1 import events_pb2
+
+
+class AuditStore:
+    def __init__(self, client: aioredis.Redis, namespace: str = "") -> None:
+        self._r = client
+        self._ns = f"sits:{namespace}validator"
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self._ns, *parts))
+
+    async def record_verdict(self, verdict: events_pb2.ValidationVerdict, target_key: str) -> bool:
+        """Store a verdict; False if this action already has one."""
+        claimed = await self._r.set(self._k("by-action", verdict.action_id), verdict.verdict_id, nx=True)
+        if not claimed:
+            return False
+        score = verdict.settled_at.seconds + verdict.settled_at.nanos / 1e9
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.set(self._k("verdict", verdict.verdict_id), verdict.SerializeToString())
+            pipe.zadd(self._k("all"), {verdict.verdict_id: score})
+            pipe.zadd(self._k("target", target_key), {verdict.verdict_id: score})
+            pipe.zadd(self._k("outcome", str(verdict.verdict)), {verdict.verdict_id: score})
+            pipe.hdel(self._k("pending"), verdict.action_id)
+            await pipe.execute()
+        return True
+
+    async def verdict(self, verdict_id: str) -> events_pb2.ValidationVerdict | None:
+        raw = await self._r.get(self._k("verdict", verdict_id))
+        if raw is None:
+            return None
+        return events_pb2.ValidationVerdict.FromString(_bytes(raw))
+
+    async def verdict_for_action(self, action_id: str) -> events_pb2.ValidationVerdict | None:
+        verdict_id = await self._r.get(self._k("by-action", action_id))
+        return None if verdict_id is None else await self.verdict(_text(verdict_id))
+
+    async def list_verdicts(
+        self, *, target_key: str | None, outcome: int | None, limit: int
+    ) -> list[events_pb2.ValidationVerdict]:
+        if target_key is not None:
+            index = self._k("target", target_key)
+        elif outcome is not None:
+            index = self._k("outcome", str(outcome))
+        else:
+            index = self._k("all")
+        # Read past `limit` when both filters apply: the second one is checked here.
+        ids = await self._r.zrevrange(index, 0, limit * 4 if target_key and outcome else limit - 1)
+        out: list[events_pb2.ValidationVerdict] = []
+        for raw_id in ids:
+            verdict = await self.verdict(_text(raw_id))
+            if verdict is None or (outcome is not None and verdict.verdict != outcome):
+                continue
+            out.append(verdict)
+            if len(out) >= limit:
+                break
+        return out
+
+    async def save_pending(self, pending: PendingAction) -> None:
+        await self._r.hset(self._k("pending"), pending.action_id, json.dumps(asdict(pending)))
+
+    async def load_pending(self) -> list[PendingAction]:
+        raw = await self._r.hgetall(self._k("pending"))
+        return [PendingAction(**json.loads(v)) for v in raw.values()]
+
+
+def _bytes(value: object) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

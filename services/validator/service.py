@@ -1,0 +1,186 @@
+"""The validator's adapters: Kafka in, verdicts and rollback commands out.
+
+Results of applied actions start a watch (persisted in Redis before the
+result's offset is committed, so a restart resumes it); samples and OOM events
+feed the watched targets; a ticker judges every watch whose settle window has
+ended. Verdict and rollback ids derive from the action id, so a redelivered
+result can never produce a second verdict or a second rollback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from services.validator.audit import AuditStore
+from services.validator.domain import NOT_VALIDATED, Judgement, Outcome, PendingAction, Validator, settle_seconds
+from sits.runtime.bus import EventProducer, ReceivedEvent
+from sits.runtime.clock import Clock
+from sits.runtime.events import Topics, header_value, memory_fraction, new_meta, seconds
+from sits.runtime.fanout import Fanout
+from sits.runtime.tracing import current_trace_id, extract_headers
+from sits.v1 import common_pb2, events_pb2
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("sits.validator")
+
+ROLLBACK_DEADLINE_S = 30.0
+
+
+class Probes(Protocol):
+    """Live measurements the validator may have for a target; None when not measured."""
+
+    async def p0_latency_s(self, target_key: str) -> float | None: ...
+
+    async def engine_healthy(self, target_key: str) -> bool | None: ...
+
+
+class NoProbes:
+    async def p0_latency_s(self, target_key: str) -> float | None:
+        return None
+
+    async def engine_healthy(self, target_key: str) -> bool | None:
+        return None
+
+
+class ValidatorService:
+    def __init__(
+        self,
+        *,
+        validator: Validator,
+        audit: AuditStore,
+        producer: EventProducer,
+        topics: Topics,
+        clock: Clock,
+        probes: Probes | None = None,
+        settle_overrides: dict[str, float] | None = None,
+        source: str = "validator",
+    ) -> None:
+        self.validator = validator
+        self._audit = audit
+        self._producer = producer
+        self._topics = topics
+        self._clock = clock
+        self._probes = probes or NoProbes()
+        self._settle_overrides = settle_overrides or {}
+        self._source = source
+        self._targets: dict[str, common_pb2.Target] = {}
+        self.live: Fanout[tuple[str, events_pb2.ValidationVerdict]] = Fanout(buffer=256)
+        self.on_verdict: Callable[[events_pb2.ValidationVerdict], Awaitable[None]] | None = None
+
+    async def resume(self) -> int:
+        """Reload the watches a previous run had not judged yet."""
+        pending = await self._audit.load_pending()
+        for item in pending:
+            self.validator.expect(item)
+        return len(pending)
+
+    async def handle(self, event: ReceivedEvent) -> None:
+        message = event.message
+        if isinstance(message, events_pb2.MetricSample):
+            fraction = memory_fraction(message)
+            if fraction is not None:
+                self.validator.observe_memory(event.key, seconds(message.meta.produced_at), fraction)
+        elif isinstance(message, events_pb2.OomEvent):
+            self.validator.observe_oom(event.key, seconds(message.meta.produced_at))
+        elif isinstance(message, events_pb2.ActionResult):
+            await self._watch(event, message)
+
+    async def _watch(self, event: ReceivedEvent, result: events_pb2.ActionResult) -> None:
+        kind = events_pb2.ActionKind.Name(result.kind).removeprefix("ACTION_KIND_")
+        if result.status != events_pb2.ACTION_STATUS_APPLIED or kind in NOT_VALIDATED:
+            return
+        self._targets[event.key] = result.meta.target
+        if await self._audit.verdict_for_action(result.action_id) is not None:
+            return  # judged before a restart or a redelivery: one verdict per action
+        applied_at = seconds(result.applied_at) if result.HasField("applied_at") else seconds(result.meta.produced_at)
+        pending = PendingAction(
+            action_id=result.action_id,
+            command_id=result.command_id,
+            target_key=event.key,
+            kind=kind,
+            applied_at=applied_at,
+            settle_until=applied_at + settle_seconds(kind, self._settle_overrides),
+            watermark=result.target_memory_fraction or 1.0,
+            traceparent=header_value(list(event.headers), "traceparent") or "",
+        )
+        if self.validator.expect(pending):
+            await self._audit.save_pending(pending)
+
+    async def judge_due(self) -> int:
+        """Judge every watch whose settle window has ended; returns how many."""
+        due = self.validator.due(self._clock.now())
+        for pending in due:
+            judgement = self.validator.judge(
+                pending,
+                p0_latency_s=await self._probes.p0_latency_s(pending.target_key),
+                engine_healthy=await self._probes.engine_healthy(pending.target_key),
+            )
+            parent = extract_headers([("traceparent", pending.traceparent.encode())] if pending.traceparent else [])
+            token = otel_context.attach(parent)
+            try:
+                with tracer.start_as_current_span("validate action", attributes={"sits.action_id": pending.action_id}):
+                    await self._conclude(pending, judgement)
+            finally:
+                otel_context.detach(token)
+            self.validator.forget(pending.action_id)
+        return len(due)
+
+    async def _conclude(self, pending: PendingAction, judgement: Judgement) -> None:
+        target = self._targets.get(pending.target_key) or _target_from_key(pending.target_key)
+        now = self._clock.now()
+        verdict = events_pb2.ValidationVerdict(
+            meta=new_meta(self._source, target, now),
+            verdict_id=f"verdict-{pending.action_id}",
+            action_id=pending.action_id,
+            command_id=pending.command_id,
+            verdict=events_pb2.Verdict.Value(f"VERDICT_{judgement.outcome.value}"),  # type: ignore[arg-type]
+            trace_id=current_trace_id(),
+        )
+        verdict.settled_at.FromNanoseconds(int(now * 1e9))
+        for check in judgement.checks:
+            verdict.checks.add(
+                name=check.name,
+                passed=check.passed,
+                observed=check.observed,
+                threshold=check.threshold,
+                detail=check.detail,
+            )
+        if judgement.outcome is Outcome.ROLLED_BACK:
+            rollback = events_pb2.HealingCommand(
+                meta=new_meta(self._source, target, now),
+                command_id=f"rollback-{pending.action_id}",
+                kind=events_pb2.ACTION_KIND_ROLLBACK,
+                reason="validation failed: " + "; ".join(c.detail for c in judgement.checks if not c.passed),
+                cause_event_id=pending.action_id,
+            )
+            rollback.rollback.action_id = pending.action_id
+            rollback.deadline.FromNanoseconds(int((now + ROLLBACK_DEADLINE_S) * 1e9))
+            await self._producer.publish(self._topics.commands, rollback)
+            verdict.rollback_command_id = rollback.command_id
+        await self._producer.publish(self._topics.validation, verdict)
+        if await self._audit.record_verdict(verdict, pending.target_key):
+            self.live.publish((pending.target_key, verdict))
+            if self.on_verdict is not None:
+                await self.on_verdict(verdict)
+        log.info("verdict %s for action %s", judgement.outcome.value, pending.action_id)
+
+    async def run_judge_loop(self, stop: asyncio.Event, tick_s: float = 0.1) -> None:
+        while not stop.is_set():
+            try:
+                await self.judge_due()
+            except Exception:
+                log.exception("judging failed; retrying next tick")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), tick_s)
+
+
+def _target_from_key(key: str) -> common_pb2.Target:
+    host, gpu, mig, engine = [*key.split("/"), "", "", ""][:4]
+    return common_pb2.Target(host=host, gpu_uuid=gpu, mig_instance=mig, engine=engine)

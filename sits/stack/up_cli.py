@@ -1,0 +1,67 @@
+"""`sits up`: the embedded stack in the foreground until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from sits.runtime.redis import RedisUnavailable
+from sits.stack.embedded import EmbeddedStack, StackConfig
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run-dir", type=Path, default=Path(".run"), help="logs, token and spool (default: .run)")
+    parser.add_argument(
+        "--redis-url", default="redis://127.0.0.1:6379/0", help="Redis to use (default: %(default)s)"
+    )
+    parser.add_argument("--for", dest="duration", type=float, default=None, help="stop after this many seconds")
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    try:
+        return asyncio.run(_up(args, console))
+    except (RedisUnavailable, TimeoutError) as err:
+        console.print(f"[red]error:[/] {err}")
+        return 2
+
+
+async def _up(args: argparse.Namespace, console: Console) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    config = StackConfig(run_dir=args.run_dir.resolve(), redis_url=args.redis_url)
+    stack = EmbeddedStack(config, progress=lambda msg: console.log(msg))
+    with console.status("starting the embedded stack"):
+        try:
+            await stack.start()
+        except BaseException:
+            await stack.stop()
+            raise
+    try:
+        table = Table(title="SITS embedded stack", title_justify="left")
+        for column in ("component", "listens on", "metrics", "ready after", "log"):
+            table.add_column(column)
+        table.add_row("kafka (tansu)", stack.broker.bootstrap, "", "", str(config.run_dir / "logs" / "tansu.log"))
+        table.add_row("redis", config.redis_url, "", "", "")
+        for s in stack.services.values():
+            table.add_row(
+                s.name, s.address, f"127.0.0.1:{s.metrics_port}", f"{s.ready_after_s:.2f} s", str(s.process.log_path)
+            )
+        console.print(table)
+        console.print(f"bearer token for mutating calls: {stack.token_file}")
+        console.print("Ctrl-C stops everything.")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), args.duration)
+    finally:
+        with console.status("stopping"):
+            await stack.stop()
+        console.print("stopped; no process left behind.")
+    return 0
