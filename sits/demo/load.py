@@ -1,0 +1,157 @@
+"""Inference load of mixed priority against vLLM's gRPC API (through Envoy or direct).
+
+Open-loop arrivals at a rate that follows a schedule (requests per second over
+time), each request a streaming `Generate` carrying its tier in the
+`x-sits-priority` metadata. In-flight requests are capped so the driver itself
+stays bounded when the server stops answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+PRIORITY_HEADER = "x-sits-priority"
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    priority: str
+    started: float
+    ttft_s: float | None
+    finished: float
+    tokens: int
+    status: str
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "OK"
+
+
+@dataclass(frozen=True)
+class LoadShape:
+    """Requests per second at each moment, and the request sizes."""
+
+    rate: Callable[[float], float]
+    mix: dict[str, float] = field(default_factory=lambda: {"P0": 0.2, "P1": 0.3, "P2": 0.5})
+    prompt_tokens: tuple[int, int] = (32, 96)
+    max_tokens: tuple[int, int] = (24, 64)
+
+
+def ramp(base_rps: float, peak_factor: float, ramp_s: float, hold_s: float) -> Callable[[float], float]:
+    """Base load for a fifth of the ramp, then a linear climb to peak, held until the end."""
+    warm = ramp_s * 0.2
+
+    def rate(t: float) -> float:
+        if t < warm:
+            return base_rps
+        if t < ramp_s:
+            return base_rps * (1.0 + (peak_factor - 1.0) * (t - warm) / (ramp_s - warm))
+        return base_rps * peak_factor if t < ramp_s + hold_s else 0.0
+
+    return rate
+
+
+def generate_request(prompt_tokens: int, max_tokens: int, vocab: int = 512) -> vllm_engine_pb2.GenerateRequest:
+    request = vllm_engine_pb2.GenerateRequest(request_id=uuid.uuid4().hex, stream=True)
+    request.tokenized.input_ids.extend(random.randrange(1, vocab) for _ in range(prompt_tokens))
+    request.sampling_params.max_tokens = max_tokens
+    request.sampling_params.temperature = 0.0
+    request.sampling_params.ignore_eos = True
+    return request
+
+
+async def one_request(
+    stub: vllm_engine_pb2_grpc.VllmEngineStub,
+    priority: str,
+    prompt_tokens: int,
+    max_tokens: int,
+    timeout_s: float = 60.0,
+    extra_metadata: tuple[tuple[str, str], ...] = (),
+) -> RequestOutcome:
+    started = time.monotonic()
+    ttft: float | None = None
+    tokens = 0
+    call = stub.Generate(
+        generate_request(prompt_tokens, max_tokens),
+        metadata=((PRIORITY_HEADER, priority), *extra_metadata),
+        timeout=timeout_s,
+    )
+    try:
+        async for response in call:
+            if response.HasField("chunk"):
+                if ttft is None:
+                    ttft = time.monotonic() - started
+                tokens += len(response.chunk.token_ids)
+    except grpc.aio.AioRpcError as err:
+        return RequestOutcome(priority, started, ttft, time.monotonic(), tokens, err.code().name, err.details() or "")
+    return RequestOutcome(priority, started, ttft, time.monotonic(), tokens, "OK")
+
+
+class LoadDriver:
+    def __init__(self, address: str, shape: LoadShape, max_in_flight: int = 96, seed: int = 7) -> None:
+        self._address = address
+        self._shape = shape
+        self._max_in_flight = max_in_flight
+        self._random = random.Random(seed)
+        self.outcomes: list[RequestOutcome] = []
+        self.in_flight = 0
+        self.refused_locally = 0
+        self.on_outcome: Callable[[RequestOutcome], None] | None = None
+
+    def _pick_priority(self) -> str:
+        roll = self._random.random() * sum(self._shape.mix.values())
+        for priority, weight in self._shape.mix.items():
+            roll -= weight
+            if roll <= 0:
+                return priority
+        return next(iter(self._shape.mix))
+
+    async def run(self, duration_s: float, stop: asyncio.Event | None = None) -> list[RequestOutcome]:
+        stop = stop or asyncio.Event()
+        began = time.monotonic()
+        tasks: set[asyncio.Task[None]] = set()
+        async with grpc.aio.insecure_channel(self._address) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            for _ in itertools.count():
+                elapsed = time.monotonic() - began
+                if elapsed >= duration_s or stop.is_set():
+                    break
+                rate = self._shape.rate(elapsed)
+                if rate <= 0:
+                    await asyncio.sleep(0.05)
+                    continue
+                await asyncio.sleep(self._random.expovariate(rate))
+                if self.in_flight >= self._max_in_flight:
+                    self.refused_locally += 1
+                    continue
+                task = asyncio.create_task(self._issue(stub))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.wait(tasks, timeout=60)
+        return self.outcomes
+
+    async def _issue(self, stub: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+        self.in_flight += 1
+        try:
+            outcome = await one_request(
+                stub,
+                self._pick_priority(),
+                self._random.randint(*self._shape.prompt_tokens),
+                self._random.randint(*self._shape.max_tokens),
+            )
+        finally:
+            self.in_flight -= 1
+        self.outcomes.append(outcome)
+        if self.on_outcome is not None:
+            self.on_outcome(outcome)
