@@ -52,8 +52,9 @@ def render() -> str:
                 continue
             goal = goals.get(key, "")
             first = i == 0
+            name = data["name"] if first else ""
             lines.append(
-                f"| {data['name'] if first else ''} | `{key}` | {fmt(value)} | {fmt(goal)} | {verdict(key, value, goal)} "
+                f"| {name} | `{key}` | {fmt(value)} | {fmt(goal)} | {verdict(key, value, goal)} "
                 f"| {baseline if first else ''} | {data.get('machine', '') if first else ''} "
                 f"| {data.get('measured_at', '') if first else ''} | {('`' + data['command'] + '`') if first else ''} |"
             )

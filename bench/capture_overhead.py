@@ -1,0 +1,76 @@
+"""Capture overhead: CPU per GPU of NVML sampling at 10 Hz and 100 Hz (runs on the H200).
+
+    python bench/capture_overhead.py                  # on a GPU machine: measure, then write the result
+    python bench/capture_overhead.py --from RAW.json  # write the result from a raw H200 measurement
+
+The measurement is scripts/gpu/capture_nvml_overhead.py (also run by
+scripts/gpu/capture_h200.sh): capture's real NvmlSource, alone in a process,
+CPU seconds over wall seconds per GPU. Its baseline is the same asyncio loop at
+the same rate with the NVML read replaced by nothing, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT = ROOT / "bench" / "results" / "capture_overhead.json"
+
+
+def result_from_raw(raw: dict[str, object], measured_at: str, command: str) -> dict[str, object]:
+    runs = raw["runs"]
+    assert isinstance(runs, dict)
+    return {
+        "name": "capture_overhead",
+        "measured_at": measured_at,
+        "machine": f"NVIDIA H200 ({raw['gpus']} GPU), device machine (gVisor)",
+        "command": command,
+        "figures": {
+            "cpu_pct_per_gpu_10hz": round(runs["10hz"]["cpu_pct_per_gpu"], 3),
+            "cpu_pct_per_gpu_100hz": round(runs["100hz"]["cpu_pct_per_gpu"], 3),
+            "nvml_read_median_us": round(raw["read_all_gpus"]["median_us"], 1),  # type: ignore[index]
+            "seconds_per_rate": raw["seconds_per_rate"],
+        },
+        "baseline": {
+            "asyncio_loop_without_nvml_cpu_pct_10hz": round(
+                runs["10hz"]["baseline_loop_without_nvml"]["cpu_pct"], 3
+            ),
+            "asyncio_loop_without_nvml_cpu_pct_100hz": round(
+                runs["100hz"]["baseline_loop_without_nvml"]["cpu_pct"], 3
+            ),
+        },
+        "goal": {"cpu_pct_per_gpu_100hz": 1.0},
+        "notes": raw["mode"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--from", dest="raw", type=Path, help="raw JSON written by capture_nvml_overhead.py")
+    parser.add_argument("--measured-at", default=None)
+    args = parser.parse_args()
+    if args.raw is None:
+        raw_path = Path(tempfile.mkdtemp()) / "raw.json"
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts/gpu/capture_nvml_overhead.py"), str(raw_path), "30"], check=True
+        )
+        measured_at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        command = "python bench/capture_overhead.py (on the H200)"
+    else:
+        raw_path = args.raw
+        measured_at = args.measured_at or datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        command = "OUT=dir scripts/gpu/capture_h200.sh (NVML_SECONDS=20); python bench/capture_overhead.py --from RAW"
+    result = result_from_raw(json.loads(raw_path.read_text()), measured_at, command)
+    RESULT.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["figures"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
