@@ -222,25 +222,26 @@ def main() -> int:
     real_result = score(real, policy_text)
     all_rows = synth_result["rows"] + real_result["rows"]
     overall = summarise(all_rows)
-    by_kind = {}
+    by_kind: dict[str, dict[str, Any]] = {}
     for kind in sorted({r["kind"] for r in all_rows}):
         by_kind[kind] = summarise([r for r in all_rows if r["kind"] == kind])
     if args.show:
         for r in all_rows:
             print(json.dumps(r))
+    figures: dict[str, Any] = {
+        **{k: v for k, v in overall.items() if not k.startswith("baseline")},
+        "synthetic": summarise(synth_result["rows"]),
+        "recorded": summarise(real_result["rows"]) if real else {"oom_traces": 0, "no_oom_traces": 0,
+                                                                 "note": f"no traces in {args.traces}"},
+        "by_kind": by_kind,
+        "samples_replayed": synth_result["samples"] + real_result["samples"],
+    }
     result = {
         "name": "forecast_quality",
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": "2-core CPU machine",
         "command": "python bench/forecast_quality.py",
-        "figures": {
-            **{k: v for k, v in overall.items() if not k.startswith("baseline")},
-            "synthetic": summarise(synth_result["rows"]),
-            "recorded": summarise(real_result["rows"]) if real else {"oom_traces": 0, "no_oom_traces": 0,
-                                                                     "note": f"no traces in {args.traces}"},
-            "by_kind": by_kind,
-            "samples_replayed": synth_result["samples"] + real_result["samples"],
-        },
+        "figures": figures,
         "baseline": {
             "threshold": THRESHOLD_BASELINE,
             "lead_ge_2s_fraction": overall["baseline_lead_ge_2s_fraction"],
@@ -253,9 +254,9 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({"figures": {k: v for k, v in result["figures"].items() if k != "by_kind"},
+    print(json.dumps({"figures": {k: v for k, v in figures.items() if k != "by_kind"},
                       "baseline": result["baseline"]}, indent=1))
-    for kind, s in by_kind.items():
+    for kind, s in sorted(by_kind.items()):
         print(f"{kind:>16}: {s}")
     return 0
 

@@ -23,6 +23,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
 from kernels import (
     BlockStatsDevice,
     BlockStatsWorkspace,
@@ -111,6 +113,9 @@ def bench_snapshot(out: dict[str, Any]) -> dict[str, Any]:
     variants = {
         "staged_32MiB_fullgrid": SnapshotConfig("staged", 32 << 20, None),
         "staged_32MiB_16prog": SnapshotConfig("staged", 32 << 20, 16),
+        "staged_32MiB_64prog": SnapshotConfig("staged", 32 << 20, 64),
+        "staged_32MiB_132prog": SnapshotConfig("staged", 32 << 20, 132),
+        "staged_32MiB_fullgrid_w8": SnapshotConfig("staged", 32 << 20, None, 16384, 8),
         "staged_8MiB_fullgrid": SnapshotConfig("staged", 8 << 20, None),
         "staged_128MiB_16prog": SnapshotConfig("staged", 128 << 20, 16),
         "zero_copy_32prog": SnapshotConfig("zero_copy", 0, 32),
@@ -132,8 +137,8 @@ def bench_snapshot(out: dict[str, Any]) -> dict[str, Any]:
                 results[name] = 0.0
                 out.setdefault("errors", []).append(f"snapshot {name}: output differs from reference")
         except Exception as exc:  # one variant failing must not lose the others
-            log(f"  {name}: FAILED {exc!r}")
-            out.setdefault("errors", []).append(f"snapshot {name}: {exc!r}")
+            log(f"  {name}: FAILED {exc!r:.400}")
+            out.setdefault("errors", []).append(f"snapshot {name}: {exc!r:.400}")
     best = max(results, key=results.__getitem__)
     staged = {k: v for k, v in results.items() if k.startswith("staged")}
     zero = {k: v for k, v in results.items() if k.startswith("zero")}
@@ -151,7 +156,8 @@ def bench_snapshot(out: dict[str, Any]) -> dict[str, Any]:
         baseline={"d2h_pinned_memcpy_gbps": round(ceiling / 1e9, 2), "d2h_memcpy_bytes": plan.nbytes},
         goal={"fraction_of_d2h": 0.85},
     )
-    return {"caches": caches, "plan": plan, "host": host, "variants": variants, "results": results}
+    return {"caches": caches, "plan": plan, "host": host, "variants": variants, "results": results,
+            "ceiling": ceiling}
 
 
 # --- interference ---------------------------------------------------------------------
@@ -186,37 +192,58 @@ def bench_interference(out: dict[str, Any], snap: dict[str, Any]) -> None:
         return float(start.elapsed_time(end))
 
     results = snap["results"]
+    ceiling = snap["ceiling"]
     staged_best = max((n for n in results if n.startswith("staged")), key=results.__getitem__, default=None)
     zero_best = max((n for n in results if n.startswith("zero")), key=results.__getitem__, default=None)
-    candidates = [n for n in (staged_best, "staged_32MiB_16prog", zero_best) if n in results]
+    candidates = [n for n in results if n.startswith("staged")] + ([zero_best] if zero_best else [])
     figures: dict[str, Any] = {}
     baseline: dict[str, Any] = {}
-    for work_name, work in (("attention_gemm", gemm_work), ("decode_attention", decode_work)):
+    works = {"attention_gemm": gemm_work, "decode_attention": decode_work}
+
+    def slowdown_pct(work_name: str, variant: str) -> float:
+        work = works[work_name]
+        alone_ms = statistics.median(timed(work) for _ in range(3))
+        snapshot_ms = plan.nbytes / results[variant] * 1e3
+        repeats = int(alone_ms / snapshot_ms) + 2  # snapshots outlast the work
+        snapshotter = KvSnapshotter("cuda", snap["variants"][variant])
+        alone, shared = [], []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            alone.append(timed(work))
+            torch.cuda.synchronize()
+            snaps = [snapshotter.snapshot(caches, plan, host) for _ in range(repeats)]
+            shared.append(timed(work))
+            still_running = not snaps[-1].ready()
+            for s in snaps:
+                s.wait()
+            if not still_running:
+                out.setdefault("warnings", []).append(f"{work_name}/{variant}: snapshots ended before the work")
+        slowdown = (statistics.median(shared) / statistics.median(alone) - 1) * 100
+        baseline[f"{work_name}_alone_ms"] = round(statistics.median(alone), 3)
+        log(f"  {work_name:16s} {variant:26s} alone {statistics.median(alone):7.3f} ms  "
+            f"with {statistics.median(shared):7.3f} ms  slowdown {slowdown:6.2f}%")
+        return round(slowdown, 2)
+
+    for work_name in works:
         for _ in range(3):
-            timed(work)
-        alone_ms = timed(work)
-        repeats = max(1, int(alone_ms / (plan.nbytes / results.get(staged_best or "", 50e9) * 1e3)) + 1)
-        for variant in dict.fromkeys(candidates):
-            snapshotter = KvSnapshotter("cuda", snap["variants"][variant])
-            alone, shared = [], []
-            for _ in range(5):
-                torch.cuda.synchronize()
-                alone.append(timed(work))
-                torch.cuda.synchronize()
-                snaps = [snapshotter.snapshot(caches, plan, host) for _ in range(repeats + 1)]
-                shared.append(timed(work))
-                still_running = not snaps[-1].ready()
-                for s in snaps:
-                    s.wait()
-                if not still_running:
-                    out.setdefault("warnings", []).append(f"{work_name}/{variant}: snapshots ended before the work")
-            slowdown = (statistics.median(shared) / statistics.median(alone) - 1) * 100
-            figures[f"slowdown_pct_{work_name}_{variant}"] = round(slowdown, 2)
-            baseline[f"{work_name}_alone_ms"] = round(statistics.median(alone), 3)
-            log(f"  {work_name:16s} {variant:24s} alone {statistics.median(alone):7.3f} ms  "
-                f"with {statistics.median(shared):7.3f} ms  slowdown {slowdown:5.2f}%")
-    headline = f"slowdown_pct_attention_gemm_{staged_best}"
-    figures = {"slowdown_pct": figures.get(headline), "snapshot_variant": staged_best, **figures}
+            timed(works[work_name])
+        for variant in candidates:
+            figures[f"slowdown_pct_{work_name}_{variant}"] = slowdown_pct(work_name, variant)
+    # The configuration to ship: the least slowdown of the attention products among the
+    # variants that keep the snapshot at >= 85% of the D2H ceiling, measured again on its
+    # own so that picking the minimum of noisy figures does not flatter it.
+    fast = [n for n in candidates if results[n] / ceiling >= 0.85]
+    chosen = min(fast, key=lambda n: figures[f"slowdown_pct_attention_gemm_{n}"], default=staged_best)
+    log(f"  chosen: {chosen}; measured again:")
+    again = {w: slowdown_pct(w, chosen) for w in works} if chosen else {}
+    figures = {
+        "slowdown_pct": again.get("attention_gemm"),
+        "slowdown_pct_decode_attention": again.get("decode_attention"),
+        "snapshot_variant": chosen,
+        "snapshot_fraction_of_d2h": round(results[chosen] / ceiling, 4) if chosen else None,
+        **figures,
+    }
+    baseline["d2h_pinned_memcpy_gbps"] = round(ceiling / 1e9, 2)
     out.update(figures=figures, baseline=baseline, goal={"slowdown_pct": 3.0})
 
 
@@ -284,8 +311,8 @@ def bench_stats(out: dict[str, Any]) -> None:
                 elif label == "vllm_1024x8192" and tbps > best[0]:
                     best = (tbps, cname)
             except Exception as exc:
-                log(f"  {label} {cname}: FAILED {exc!r}")
-                out.setdefault("errors", []).append(f"stats {label}/{cname}: {exc!r}")
+                log(f"  {label} {cname}: FAILED {exc!r:.400}")
+                out.setdefault("errors", []).append(f"stats {label}/{cname}: {exc!r:.400}")
         if label == "vllm_1024x8192":
             figures["table_bytes_vllm_1024x8192"] = table.numel() * 4
             figures["bytes_moved_vllm_1024x8192"] = nbytes
@@ -317,6 +344,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--only", choices=["snapshot", "stats", "interference"], action="append")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        # `make bench` on a CPU machine: keep the committed H200 results untouched.
+        print("kernels_h200: needs the H200; run scripts/gpu/kernels.sh there (device tool)")
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(int(time.time()))
     machine = torch.cuda.get_device_name()

@@ -1,0 +1,470 @@
+"""The decision engine: samples in, planned healing commands out.
+
+Pure: no I/O; wall time for deadlines comes from the injected clock, and all
+reasoning about trends and cooldowns uses the samples' own times, so a replay
+of a trace gives the same commands as the live run did.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from services.decision.domain import admission
+from services.decision.domain.admission import AdmitDecision, EngineProfile
+from services.decision.domain.policy import (
+    AbortLowPriority,
+    Action,
+    Conditions,
+    MigRebalance,
+    Policy,
+    Rule,
+    SetEngineLimits,
+    SetPressure,
+    ShedPriority,
+)
+from services.decision.domain.root_cause import classify
+from services.decision.domain.types import (
+    NO_ROOT_CAUSE,
+    ActionKind,
+    Evidence,
+    Forecast,
+    OomEvent,
+    PlannedCommand,
+    Priority,
+    RootCause,
+    RootCauseKind,
+    Sample,
+    Target,
+)
+from services.decision.domain.window import DropCounter, DropReason, TargetWindow
+from sits.runtime.clock import Clock
+
+COMMAND_NAMESPACE = uuid.UUID("5e1c7a2e-0d6f-4b0e-9a55-3f1f6a1c0b7e")
+MAX_TARGETS = 10_000
+MAX_SEEN_OOMS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSettings:
+    max_samples: int = 1200
+    max_age_s: float = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    target: Target
+    window: tuple[Sample, ...]
+    forecast: Forecast
+    root_cause: RootCause
+    last_command: PlannedCommand | None
+    drops: dict[str, int]
+    latched_rules: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EvaluateResult:
+    forecast: Forecast
+    root_cause: RootCause
+    commands: tuple[PlannedCommand, ...]
+
+
+EMPTY_FORECAST = Forecast(0.0, None, 0.0, 0.0, 0.0, "none")
+
+
+@dataclass(slots=True)
+class _TargetState:
+    target: Target
+    window: TargetWindow
+    forecast: Forecast = EMPTY_FORECAST
+    root_cause: RootCause = NO_ROOT_CAUSE
+    root_cause_t: float = -math.inf
+    latched: dict[str, float] = field(default_factory=dict)
+    pending_clear: dict[str, Rule] = field(default_factory=dict)
+    last_command: PlannedCommand | None = None
+    ooms: int = 0
+
+
+@dataclass(slots=True)
+class _Context:
+    """What the conditions of one rule are checked against."""
+
+    forecast: Forecast
+    root_cause: RootCause
+    tier: str
+
+
+class DecisionEngine:
+    def __init__(self, policy: Policy, clock: Clock, profiles: Mapping[str, EngineProfile] | None = None,
+                 window: WindowSettings | None = None) -> None:
+        self._clock = clock
+        self._profiles: dict[str, EngineProfile] = dict(profiles or {})
+        self._window_settings = window or WindowSettings()
+        self._states: dict[str, _TargetState] = {}
+        # Last command time per command target (engine, or the GPU shared by several engines).
+        self._last_command_t: dict[str, float] = {}
+        self._rule_fired_t: dict[tuple[str, str], float] = {}
+        self._seen_ooms: dict[str, None] = {}
+        self.drops = DropCounter()
+        self.set_policy(policy)
+
+    # ------------------------------------------------------------------ policy
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    def set_policy(self, policy: Policy) -> None:
+        self._policy = policy
+        spec = policy.spec
+        self._sample_rules = tuple(r for r in spec.rules if not r.when.on_oom)
+        self._oom_rules = tuple(r for r in spec.rules if r.when.on_oom)
+        self._needs_root_cause = any(r.when.root_cause_in for r in spec.rules)
+        names = {r.name for r in spec.rules}
+        for state in self._states.values():
+            for name in [n for n in state.latched if n not in names]:
+                del state.latched[name]
+            for name in [n for n in state.pending_clear if n not in names]:
+                del state.pending_clear[name]
+
+    def set_profile(self, engine: str, profile: EngineProfile) -> None:
+        self._profiles[engine] = profile
+
+    # ------------------------------------------------------------------ inputs
+
+    def _state(self, target: Target) -> _TargetState:
+        key = target.key
+        state = self._states.get(key)
+        if state is None:
+            if len(self._states) >= MAX_TARGETS:
+                # Forget the target heard from least recently; it rebuilds its window if it comes back.
+                oldest = min(self._states, key=lambda k: self._states[k].window.latest_t)
+                del self._states[oldest]
+            fc = self._policy.spec.forecast
+            ws = self._window_settings
+            state = _TargetState(target, TargetWindow(max_samples=ws.max_samples, max_age_s=ws.max_age_s,
+                                                      bucket_s=fc.bucket_s, trend_window_s=fc.window_s,
+                                                      min_history_s=fc.min_history_s))
+            self._states[key] = state
+        return state
+
+    def observe(self, sample: Sample) -> list[PlannedCommand]:
+        state = self._state(sample.target)
+        reason = state.window.offer(sample)
+        if reason is not None:
+            self.drops.add(reason)
+            return []
+        t = sample.t
+        state.forecast = self._forecast(state)
+        due = t - state.root_cause_t >= self._policy.spec.defaults.root_cause_interval_s
+        if due and (self._needs_root_cause or state.forecast.time_to_limit_s is not None):
+            self._refresh_root_cause(state, t)
+        return self._apply_rules(state, t, sample.event_id, self._sample_rules, None)
+
+    def observe_oom(self, oom: OomEvent) -> list[PlannedCommand]:
+        if oom.event_id:
+            if oom.event_id in self._seen_ooms:
+                self.drops.add(DropReason.DUPLICATE)
+                return []
+            self._seen_ooms[oom.event_id] = None
+            if len(self._seen_ooms) > MAX_SEEN_OOMS:
+                del self._seen_ooms[next(iter(self._seen_ooms))]
+        if not math.isfinite(oom.t) or oom.requested_bytes < 0 or oom.device_free_bytes < 0:
+            self.drops.add(DropReason.ABSURD_VALUE)
+            return []
+        state = self._state(oom.target)
+        state.ooms += 1
+        state.root_cause = classify(list(state.window.samples), kv_bytes_per_token=self._bytes_per_token(state),
+                                    oom_allocator=oom.allocator)
+        state.root_cause_t = oom.t
+        return self._apply_rules(state, oom.t, oom.event_id, self._oom_rules, oom)
+
+    def _bytes_per_token(self, state: _TargetState) -> int | None:
+        profile = self._profiles.get(state.target.engine)
+        return None if profile is None else profile.kv_bytes_per_token
+
+    def _refresh_root_cause(self, state: _TargetState, t: float) -> None:
+        state.root_cause = classify(state.window.samples, kv_bytes_per_token=self._bytes_per_token(state))
+        state.root_cause_t = t
+
+    def _forecast(self, state: _TargetState) -> Forecast:
+        window = state.window
+        fc = self._policy.spec.forecast
+        trend = window.memory.trend
+        level = window.memory.current_envelope()
+        slope = trend.slope_lower
+        tto = trend.time_to_reach(level, fc.limit_fraction, fc.horizon_s)
+        gpu = window.latest_gpu
+        total = gpu.total_bytes if gpu is not None else 0
+        engine = window.latest_engine
+        kv_usage = engine.kv_cache_usage if engine is not None else 0.0
+        kv_tto = None
+        model = f"envelope-{trend.model}"
+        if engine is not None:
+            kv_trend = window.kv_usage.trend
+            kv_tto = kv_trend.time_to_reach(window.kv_usage.current_envelope(), 1.0, fc.horizon_s)
+            model += "+kv"
+        return Forecast(
+            memory_fraction=window.memory_fraction,
+            time_to_limit_s=tto,
+            confidence=trend.confidence if tto != 0.0 else 1.0,
+            predicted_fraction=min(2.0, level + slope * fc.horizon_s),
+            slope_bytes_per_s=trend.slope * total,
+            model=model,
+            kv_cache_usage=kv_usage,
+            fragmentation=window.fragmentation,
+            kv_time_to_full_s=kv_tto,
+        )
+
+    # ------------------------------------------------------------------ rules
+
+    def _holds(self, when: Conditions, ctx: _Context, relaxed: bool) -> bool:
+        defaults = self._policy.spec.defaults
+        margin = defaults.hysteresis if relaxed else 0.0
+        fc = ctx.forecast
+        if when.tier_in is not None and ctx.tier not in when.tier_in:
+            return False
+        if when.memory_fraction_above is not None and not fc.memory_fraction > when.memory_fraction_above - margin:
+            return False
+        if when.kv_usage_above is not None and not fc.kv_cache_usage > when.kv_usage_above - margin:
+            return False
+        if when.fragmentation_above is not None and not fc.fragmentation > when.fragmentation_above - margin:
+            return False
+        if when.time_to_limit_below_s is not None:
+            limit = when.time_to_limit_below_s + (defaults.hysteresis_s if relaxed else 0.0)
+            if fc.time_to_limit_s is None or fc.time_to_limit_s >= limit:
+                return False
+            if when.min_confidence is not None:
+                floor = when.min_confidence / 2.0 if relaxed else when.min_confidence
+                if fc.confidence < floor:
+                    return False
+        return not (when.root_cause_in is not None and ctx.root_cause.kind.value not in when.root_cause_in)
+
+    def _apply_rules(self, state: _TargetState, t: float, cause_event_id: str, rules: Iterable[Rule],
+                     oom: OomEvent | None) -> list[PlannedCommand]:
+        ctx = _Context(state.forecast, state.root_cause, self._policy.spec.tiers.of(state.target.engine))
+        commands: list[PlannedCommand] = []
+        claimed: set[str] = set()
+        for rule in rules:
+            name = rule.name
+            if oom is None:
+                if name in state.latched:
+                    if self._holds(rule.when, ctx, relaxed=True):
+                        continue
+                    del state.latched[name]
+                    if rule.on_clear:
+                        state.pending_clear[name] = rule
+                    continue
+                if not self._holds(rule.when, ctx, relaxed=False):
+                    continue
+            elif not self._holds(rule.when, ctx, relaxed=False):
+                continue
+            planned = self._plan(state, rule, rule.then, t, cause_event_id, claimed, oom, clearing=False)
+            if planned:
+                commands.extend(planned)
+                if oom is None:
+                    state.latched[name] = t
+                state.pending_clear.pop(name, None)
+        for name, rule in list(state.pending_clear.items()):
+            planned = self._plan(state, rule, rule.on_clear, t, cause_event_id, claimed, None, clearing=True)
+            if planned:
+                commands.extend(planned)
+                del state.pending_clear[name]
+        if commands:
+            state.last_command = commands[-1]
+        return commands
+
+    def _plan(self, state: _TargetState, rule: Rule, actions: tuple[Action, ...], t: float,
+              cause_event_id: str, claimed: set[str], oom: OomEvent | None,
+              clearing: bool) -> list[PlannedCommand]:
+        """Commands for all of `actions`, or none when any of their targets is in its cooldown."""
+        defaults = self._policy.spec.defaults
+        rule_key = (state.target.key, rule.name + (":clear" if clearing else ""))
+        cooldown = rule.cooldown_s if rule.cooldown_s is not None else defaults.cooldown_s
+        last_fired = self._rule_fired_t.get(rule_key)
+        if last_fired is not None and t - last_fired < cooldown:
+            return []
+        targets = [state.target if a.scope == "engine" else state.target.gpu_level() for a in actions]
+        for target in targets:
+            key = target.key
+            if key in claimed:
+                return []
+            last = self._last_command_t.get(key)
+            if last is not None and t - last < defaults.target_cooldown_s:
+                return []
+        now = self._clock.now()
+        evidence, reason = self._evidence(state, rule, oom, clearing)
+        planned = []
+        for action, target in zip(actions, targets, strict=True):
+            kind = ActionKind(action.kind)
+            command_id = str(uuid.uuid5(COMMAND_NAMESPACE,
+                                        f"{target.key}|{rule.name}|{kind.value}|{cause_event_id}|{t!r}|{clearing}"))
+            planned.append(PlannedCommand(
+                command_id=command_id,
+                target=target,
+                kind=kind,
+                params=self._params(state, action),
+                reason=reason,
+                evidence=evidence,
+                rule=rule.name,
+                policy_version=self._policy.version,
+                target_memory_fraction=rule.target_memory_fraction or defaults.target_memory_fraction,
+                issued_at=now,
+                deadline=now + defaults.deadline_s,
+                cause_event_id=cause_event_id,
+                root_cause=state.root_cause,
+            ))
+            self._last_command_t[target.key] = t
+            claimed.add(target.key)
+        self._rule_fired_t[rule_key] = t
+        return planned
+
+    def _evidence(self, state: _TargetState, rule: Rule, oom: OomEvent | None,
+                  clearing: bool) -> tuple[tuple[Evidence, ...], str]:
+        fc = state.forecast
+        evidence = [Evidence("memory_fraction", round(fc.memory_fraction, 4), "device memory used")]
+        parts: list[str] = []
+        when = rule.when
+        if oom is not None:
+            evidence.append(Evidence("oom_requested_bytes", oom.requested_bytes, oom.message[:200]))
+            evidence.append(Evidence("oom_device_free_bytes", oom.device_free_bytes, "free when the OOM hit"))
+            parts.append(f"CUDA OOM asking for {oom.requested_bytes / 2**30:.2f} GiB")
+        if fc.time_to_limit_s is not None:
+            evidence.append(Evidence("time_to_limit_s", round(fc.time_to_limit_s, 3),
+                                     f"forecast ({fc.model}) reaches "
+                                     f"{self._policy.spec.forecast.limit_fraction:.0%} of the device"))
+            evidence.append(Evidence("forecast_confidence", fc.confidence, ""))
+            evidence.append(Evidence("slope_bytes_per_s", round(fc.slope_bytes_per_s, 1), ""))
+        if when.time_to_limit_below_s is not None and fc.time_to_limit_s is not None:
+            parts.append(f"memory forecast to reach {self._policy.spec.forecast.limit_fraction:.0%} in "
+                         f"{fc.time_to_limit_s:.1f} s (confidence {fc.confidence:.2f})")
+        if when.kv_usage_above is not None or fc.kv_cache_usage > 0:
+            evidence.append(Evidence("kv_cache_usage", round(fc.kv_cache_usage, 4), "engine KV cache in use"))
+        if when.kv_usage_above is not None:
+            parts.append(f"KV cache {fc.kv_cache_usage:.0%} used (rule: above {when.kv_usage_above:.0%})")
+        if when.fragmentation_above is not None or fc.fragmentation > 0:
+            evidence.append(Evidence("fragmentation", round(fc.fragmentation, 4),
+                                     "allocator reserved but not allocated"))
+        if when.fragmentation_above is not None:
+            parts.append(f"fragmentation {fc.fragmentation:.0%} (rule: above {when.fragmentation_above:.0%})")
+        if when.memory_fraction_above is not None:
+            parts.append(f"memory {fc.memory_fraction:.0%} (rule: above {when.memory_fraction_above:.0%})")
+        rc = state.root_cause
+        if rc.kind is not RootCauseKind.NONE:
+            evidence.append(Evidence("root_cause_confidence", rc.confidence, rc.kind.value))
+            evidence.extend(rc.evidence)
+            parts.append(f"root cause {rc.kind.value} ({rc.confidence:.2f})")
+        if clearing:
+            reason = f"{rule.name}: conditions cleared; undoing"
+        else:
+            reason = f"{rule.name}: " + ("; ".join(parts) if parts else rule.description or "conditions met")
+        return tuple(evidence), reason
+
+    def _params(self, state: _TargetState, action: Action) -> dict[str, object]:
+        if isinstance(action, SetEngineLimits):
+            params: dict[str, object] = {}
+            if action.max_num_running_reqs is not None:
+                params["max_num_running_reqs"] = action.max_num_running_reqs
+            if action.max_num_running_reqs_factor is not None:
+                engine = state.window.latest_engine
+                running = engine.num_requests_running if engine is not None else 0
+                if running > 0:
+                    params["max_num_running_reqs"] = max(1, math.floor(running * action.max_num_running_reqs_factor))
+            for name in ("max_num_scheduled_tokens", "max_prefill_chunk_tokens", "admission_paused"):
+                value = getattr(action, name)
+                if value is not None:
+                    params[name] = value
+            return params
+        if isinstance(action, ShedPriority):
+            return {"priority": action.priority, "state": action.state, "max_requests": action.max_requests,
+                    "ttl_seconds": action.ttl_seconds}
+        if isinstance(action, SetPressure):
+            pressure = action.pressure
+            if pressure == "forecast":
+                pressure = max(0.0, min(1.0, state.forecast.predicted_fraction))
+            return {"pressure": float(pressure)}
+        if isinstance(action, AbortLowPriority):
+            return {"at_or_below": action.at_or_below, "max_streams": action.max_streams}
+        if isinstance(action, MigRebalance):
+            tenants: dict[str, int] = {}
+            latest = state.window.samples[-1] if state.window.samples else None
+            if latest is not None:
+                for proc in latest.processes:
+                    tenants[proc.name or f"pid-{proc.pid}"] = proc.used_bytes
+            return {"tenant_bytes": tenants, "dry_run": action.dry_run}
+        return {}
+
+    # ------------------------------------------------------------------ queries
+
+    def admit(self, target: Target, prompt_tokens: int, max_tokens: int,
+              priority: Priority = Priority.UNSPECIFIED) -> AdmitDecision:
+        state = self._states.get(target.key)
+        profile = self._profiles.get(target.engine)
+        if state is None:
+            return admission.decide(prompt_tokens, max_tokens, priority, None, profile, False)
+        return admission.decide(prompt_tokens, max_tokens, priority, state.window.latest_engine, profile,
+                                state.forecast.time_to_limit_s == 0.0)
+
+    def explain(self, target: Target) -> Explanation | None:
+        state = self._states.get(target.key)
+        if state is None:
+            return None
+        return Explanation(
+            target=state.target,
+            window=tuple(state.window.samples),
+            forecast=state.forecast,
+            root_cause=state.root_cause,
+            last_command=state.last_command,
+            drops=state.window.drops.as_dict(),
+            latched_rules=tuple(state.latched),
+        )
+
+    def targets(self) -> list[Target]:
+        return [s.target for s in self._states.values()]
+
+    def evaluate(self, samples: Iterable[Sample], ooms: Iterable[OomEvent] = (),
+                 target: Target | None = None) -> EvaluateResult:
+        """What-if: replay the given window through a fresh engine; this engine is not touched."""
+        from sits.runtime.clock import ManualClock
+
+        events: list[tuple[float, int, Sample | OomEvent]] = [(s.t, 0, s) for s in samples]
+        events += [(o.t, 1, o) for o in ooms]
+        events.sort(key=lambda e: (e[0] if math.isfinite(e[0]) else math.inf, e[1]))
+        start = next((t for t, _, _ in events if math.isfinite(t) and t > 0), self._clock.now())
+        clock = ManualClock(start)
+        replay = DecisionEngine(self._policy, clock, self._profiles, self._window_settings)
+        commands: list[PlannedCommand] = []
+        for t, _, event in events:
+            if math.isfinite(t):
+                clock.set(t)
+            if isinstance(event, Sample):
+                commands += replay.observe(event if target is None else _retarget(event, target))
+            else:
+                commands += replay.observe_oom(event if target is None else _retarget_oom(event, target))
+        key_target = target or (events[0][2].target if events else Target())
+        explanation = replay.explain(key_target)
+        if explanation is None:
+            return EvaluateResult(EMPTY_FORECAST, NO_ROOT_CAUSE, tuple(commands))
+        root_cause = explanation.root_cause
+        if root_cause is NO_ROOT_CAUSE and explanation.window:
+            root_cause = classify(explanation.window, kv_bytes_per_token=self._bytes_per_token(
+                replay._states[key_target.key]))
+        return EvaluateResult(explanation.forecast, root_cause, tuple(commands))
+
+
+def _retarget(sample: Sample, target: Target) -> Sample:
+    if sample.target == target:
+        return sample
+    from dataclasses import replace
+
+    return replace(sample, target=target)
+
+
+def _retarget_oom(oom: OomEvent, target: Target) -> OomEvent:
+    if oom.target == target:
+        return oom
+    from dataclasses import replace
+
+    return replace(oom, target=target)

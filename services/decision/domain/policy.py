@@ -1,0 +1,311 @@
+"""Declarative healing policy: YAML validated by pydantic, errors naming field and line.
+
+A policy is an ordered list of rules. Each rule has conditions (`when`, all
+must hold), the actions it takes when it fires (`then`, at most one per scope:
+the engine, or the GPU it runs on) and optionally the actions that undo them
+once the conditions clear (`on_clear`). Rules listed first win when two want
+the same scope at once. See services/decision/default_policy.yaml.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from services.decision.domain.types import RootCauseKind
+
+TierName = Literal["P0", "P1", "P2"]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ForecastSettings(_Strict):
+    # The memory fraction treated as "out of memory" by the forecast (act before it).
+    limit_fraction: float = Field(default=0.96, gt=0.0, le=1.0)
+    horizon_s: float = Field(default=300.0, gt=0.0, le=3600.0)
+    bucket_s: float = Field(default=0.5, gt=0.0, le=10.0)
+    window_s: float = Field(default=60.0, gt=0.0, le=3600.0)
+    # No trend is trusted before this much history of a target (the level alone still counts).
+    min_history_s: float = Field(default=30.0, ge=0.0, le=3600.0)
+
+    @model_validator(mode="after")
+    def _window_holds_buckets(self) -> ForecastSettings:
+        if self.window_s < 4 * self.bucket_s:
+            raise ValueError("window_s must hold at least 4 buckets of bucket_s")
+        if self.min_history_s > self.window_s:
+            raise ValueError("min_history_s must not exceed window_s")
+        return self
+
+
+class Defaults(_Strict):
+    cooldown_s: float = Field(default=30.0, ge=0.0, le=86400.0)
+    # No two commands for one target closer than this, whatever the rules.
+    target_cooldown_s: float = Field(default=5.0, ge=0.0, le=3600.0)
+    deadline_s: float = Field(default=5.0, gt=0.0, le=3600.0)
+    # A fired rule stays latched until its fraction conditions clear by this margin...
+    hysteresis: Fraction = 0.03
+    # ...and its time-to-limit condition by this many seconds.
+    hysteresis_s: float = Field(default=30.0, ge=0.0, le=3600.0)
+    target_memory_fraction: float = Field(default=0.9, gt=0.0, le=1.0)
+    root_cause_interval_s: float = Field(default=5.0, gt=0.0, le=600.0)
+
+
+class Tiers(_Strict):
+    default: TierName = "P1"
+    engines: dict[str, TierName] = Field(default_factory=dict)
+
+    def of(self, engine: str) -> TierName:
+        return self.engines.get(engine, self.default)
+
+
+class Conditions(_Strict):
+    on_oom: bool = False
+    memory_fraction_above: Fraction | None = None
+    time_to_limit_below_s: float | None = Field(default=None, gt=0.0, le=3600.0)
+    min_confidence: Fraction | None = None
+    kv_usage_above: Fraction | None = None
+    fragmentation_above: Fraction | None = None
+    root_cause_in: tuple[str, ...] | None = None
+    tier_in: tuple[TierName, ...] | None = None
+
+    @field_validator("root_cause_in")
+    @classmethod
+    def _known_causes(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        known = {k.value for k in RootCauseKind}
+        unknown = [v for v in value if v not in known]
+        if unknown:
+            raise ValueError(f"unknown root cause {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        if not value:
+            raise ValueError("root_cause_in must name at least one cause")
+        return value
+
+    @model_validator(mode="after")
+    def _something(self) -> Conditions:
+        if not self.on_oom and all(
+            getattr(self, name) is None
+            for name in ("memory_fraction_above", "time_to_limit_below_s", "kv_usage_above",
+                         "fragmentation_above", "root_cause_in")
+        ):
+            raise ValueError("a rule needs at least one condition (on_oom, memory_fraction_above, "
+                             "time_to_limit_below_s, kv_usage_above, fragmentation_above, root_cause_in)")
+        return self
+
+
+class _Action(_Strict):
+    scope: Literal["engine", "gpu"] = "engine"
+
+
+class SetEngineLimits(_Action):
+    kind: Literal["SET_ENGINE_LIMITS"]
+    max_num_running_reqs: int | None = Field(default=None, ge=1, le=1_000_000)
+    # Relative to the requests running when the rule fires (at least 1).
+    max_num_running_reqs_factor: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_num_scheduled_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
+    max_prefill_chunk_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
+    admission_paused: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> SetEngineLimits:
+        if self.max_num_running_reqs is not None and self.max_num_running_reqs_factor is not None:
+            raise ValueError("give max_num_running_reqs or max_num_running_reqs_factor, not both")
+        if all(v is None for v in (self.max_num_running_reqs, self.max_num_running_reqs_factor,
+                                    self.max_num_scheduled_tokens, self.max_prefill_chunk_tokens,
+                                    self.admission_paused)):
+            raise ValueError("SET_ENGINE_LIMITS needs at least one limit")
+        return self
+
+
+class ShedPriority(_Action):
+    kind: Literal["SHED_PRIORITY"]
+    priority: TierName = "P2"
+    state: Literal["OPEN", "HALF_OPEN", "CLOSED"] = "OPEN"
+    max_requests: int = Field(default=0, ge=0, le=1_000_000)
+    ttl_seconds: int = Field(default=30, ge=1, le=86400)
+
+
+class SetPressure(_Action):
+    kind: Literal["SET_PRESSURE"]
+    # A fixed pressure in [0, 1], or "forecast": the predicted fraction at the horizon.
+    pressure: float | Literal["forecast"] = "forecast"
+
+    @field_validator("pressure")
+    @classmethod
+    def _range(cls, value: float | str) -> float | str:
+        if isinstance(value, float) and not (0.0 <= value <= 1.0 and math.isfinite(value)):
+            raise ValueError("pressure must be in [0, 1] or 'forecast'")
+        return value
+
+
+class FlushCache(_Action):
+    kind: Literal["FLUSH_CACHE"]
+
+
+class AbortLowPriority(_Action):
+    kind: Literal["ABORT_LOW_PRIORITY"]
+    at_or_below: TierName = "P2"
+    max_streams: int = Field(default=8, ge=1, le=100_000)
+
+
+class PauseAdmission(_Action):
+    kind: Literal["PAUSE_ADMISSION"]
+
+
+class ResumeAdmission(_Action):
+    kind: Literal["RESUME_ADMISSION"]
+
+
+class MigRebalance(_Action):
+    kind: Literal["MIG_REBALANCE"]
+    scope: Literal["engine", "gpu"] = "gpu"
+    # Plans only; the executor applies a MIG change only when dry_run is false.
+    dry_run: bool = True
+
+
+Action = Annotated[
+    SetEngineLimits | ShedPriority | SetPressure | FlushCache | AbortLowPriority | PauseAdmission
+    | ResumeAdmission | MigRebalance,
+    Field(discriminator="kind"),
+]
+
+
+def _one_per_scope(actions: tuple[Action, ...], what: str) -> tuple[Action, ...]:
+    scopes = [a.scope for a in actions]
+    for scope in set(scopes):
+        if scopes.count(scope) > 1:
+            raise ValueError(f"{what} has two actions for scope {scope!r}; one command per target at a time")
+    return actions
+
+
+class Rule(_Strict):
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    when: Conditions
+    then: tuple[Action, ...] = Field(min_length=1)
+    on_clear: tuple[Action, ...] = ()
+    cooldown_s: float | None = Field(default=None, ge=0.0, le=86400.0)
+    target_memory_fraction: float | None = Field(default=None, gt=0.0, le=1.0)
+
+    @field_validator("then", "on_clear", mode="before")
+    @classmethod
+    def _listify(cls, value: Any) -> Any:
+        return [value] if isinstance(value, dict) else value
+
+    @field_validator("then")
+    @classmethod
+    def _then_scopes(cls, value: tuple[Action, ...]) -> tuple[Action, ...]:
+        return _one_per_scope(value, "then")
+
+    @field_validator("on_clear")
+    @classmethod
+    def _clear_scopes(cls, value: tuple[Action, ...]) -> tuple[Action, ...]:
+        return _one_per_scope(value, "on_clear")
+
+    @model_validator(mode="after")
+    def _clear_needs_state(self) -> Rule:
+        if self.on_clear and self.when.on_oom:
+            raise ValueError("an on_oom rule has nothing to clear: on_clear is not allowed with on_oom")
+        return self
+
+
+class PolicySpec(_Strict):
+    forecast: ForecastSettings = Field(default_factory=ForecastSettings)
+    defaults: Defaults = Field(default_factory=Defaults)
+    tiers: Tiers = Field(default_factory=Tiers)
+    rules: tuple[Rule, ...] = Field(min_length=1)
+
+    @field_validator("rules")
+    @classmethod
+    def _unique_names(cls, rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+        seen: set[str] = set()
+        for rule in rules:
+            if rule.name in seen:
+                raise ValueError(f"two rules are named {rule.name!r}")
+            seen.add(rule.name)
+        return rules
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyProblem:
+    field: str
+    line: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"line {self.line}" if self.line is not None else "unknown line"
+        return f"{where}: {self.field or '(document)'}: {self.message}"
+
+
+class PolicyError(ValueError):
+    def __init__(self, problems: Sequence[PolicyProblem]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("; ".join(str(p) for p in self.problems))
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    spec: PolicySpec
+    yaml_text: str
+    version: int
+
+
+def _line_of(root: yaml.Node | None, loc: Sequence[int | str]) -> int | None:
+    """Line (1-based) of the deepest YAML node the pydantic location reaches."""
+    if root is None:
+        return None
+    node = root
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.value == str(part):
+                    node = value
+                    break
+            else:
+                # Discriminator tags and missing keys: stay on the node that should hold it.
+                continue
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if 0 <= part < len(node.value):
+                node = node.value[part]
+        else:
+            break
+    return node.start_mark.line + 1
+
+
+def parse_policy(text: str, version: int = 1) -> Policy:
+    """Validate policy YAML; raise PolicyError naming each bad field and its line."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = None if mark is None else mark.line + 1
+        raise PolicyError([PolicyProblem("", line, f"not valid YAML: {exc.problem or exc}")]) from None
+    except yaml.YAMLError as exc:
+        raise PolicyError([PolicyProblem("", None, f"not valid YAML: {exc}")]) from None
+    if not isinstance(data, dict):
+        line = None if root is None else root.start_mark.line + 1
+        raise PolicyError([PolicyProblem("", line, "a policy is a mapping with a 'rules' list")])
+    try:
+        spec = PolicySpec.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        errors = exc.errors()
+        locs = [tuple(e["loc"]) for e in errors]
+        for error in errors:
+            loc = tuple(error["loc"])
+            # A list emptied by its own bad items says nothing the item errors do not.
+            if error["type"] == "too_short" and any(len(o) > len(loc) and o[:len(loc)] == loc for o in locs):
+                continue
+            shown = ".".join(str(p) for p in loc if not (isinstance(p, str) and p.isupper()))
+            problems.append(PolicyProblem(shown, _line_of(root, loc), error["msg"]))
+        raise PolicyError(problems) from None
+    return Policy(spec=spec, yaml_text=text, version=version)

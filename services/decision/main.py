@@ -1,0 +1,110 @@
+"""Wiring of the decision service: Kafka in (metrics, OOM), Kafka out (healing commands), gRPC API.
+
+Thin on purpose: decoding, the domain engine and encoding. Commands are
+published before the consumer commits the sample that caused them
+(at-least-once); their command_id is derived from the cause's event id, so a
+re-delivered sample yields the same command id and the executor skips it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from pydantic import Field
+
+from services.decision import convert
+from services.decision.domain.admission import EngineProfile
+from services.decision.domain.engine import DecisionEngine
+from services.decision.domain.kv_model import known_model
+from services.decision.domain.policy import parse_policy
+from services.decision.grpc_api import MUTATING_METHODS, SERVICE_NAME, DecisionService
+from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics
+from sits.runtime.clock import Clock, SystemClock
+from sits.runtime.events import Topics
+from sits.runtime.grpcserver import GrpcServer, ServiceBinding, read_token
+from sits.runtime.metrics import serve_metrics
+from sits.runtime.settings import Settings
+from sits.v1 import decision_pb2_grpc, events_pb2
+
+log = logging.getLogger(__name__)
+DEFAULT_POLICY_FILE = Path(__file__).with_name("default_policy.yaml")
+
+
+class DecisionSettings(Settings):
+    decision_policy_file: Path = Field(DEFAULT_POLICY_FILE, description="Healing policy YAML loaded at start.")
+    decision_engine_models: dict[str, str] = Field(
+        default_factory=dict,
+        description="Engine name -> known model name (sits estimate's table), to turn tokens into KV bytes.",
+    )
+    decision_group: str = Field(
+        "sits-decision", description="Kafka consumer group of the decision service (after SITS_TOPIC_PREFIX)."
+    )
+
+
+SETTINGS = DecisionSettings
+
+
+class DecisionHandler:
+    """Turns received metric samples and OOM events into published HealingCommands."""
+
+    def __init__(self, engine: DecisionEngine, producer: EventProducer, topics: Topics) -> None:
+        self._engine = engine
+        self._producer = producer
+        self._topics = topics
+
+    async def __call__(self, event: ReceivedEvent) -> None:
+        message = event.message
+        if isinstance(message, events_pb2.MetricSample):
+            commands = self._engine.observe(convert.sample_from_pb(message))
+        elif isinstance(message, events_pb2.OomEvent):
+            commands = self._engine.observe_oom(convert.oom_from_pb(message))
+        else:
+            return
+        for command in commands:
+            log.info(
+                "command %s %s for %s: %s", command.command_id, command.kind.value, command.target.key, command.reason
+            )
+            await self._producer.publish(self._topics.commands, convert.command_to_pb(command))
+
+
+def build_engine(settings: DecisionSettings, clock: Clock) -> DecisionEngine:
+    policy = parse_policy(settings.decision_policy_file.read_text(), version=1)
+    profiles = {engine: EngineProfile(known_model(model)) for engine, model in settings.decision_engine_models.items()}
+    return DecisionEngine(policy, clock, profiles)
+
+
+async def serve(settings: DecisionSettings, stop: asyncio.Event) -> None:
+    engine = build_engine(settings, SystemClock())
+    topics = Topics(settings.topic_prefix)
+    serve_metrics(settings.metrics_port)
+    await ensure_topics(settings)
+    server = GrpcServer(
+        [ServiceBinding(decision_pb2_grpc.add_DecisionServicer_to_server, DecisionService(engine), SERVICE_NAME)],
+        bind=settings.grpc_bind,
+        port=settings.port_of(settings.decision_addr),
+        token=read_token(settings.auth_token_file),
+        mutating_methods=MUTATING_METHODS,
+        max_message_bytes=settings.grpc_max_message_bytes,
+    )
+    async with EventProducer(settings) as producer, server:
+        consumer = EventConsumer(
+            settings,
+            group_id=f"{settings.topic_prefix}{settings.decision_group}",
+            topics=[topics.metrics, topics.oom],
+            handler=DecisionHandler(engine, producer, topics),
+            dead_letters=producer,
+        )
+        async with consumer:
+            await consumer.run(stop)
+
+
+def main() -> int:
+    from sits.runtime.lifecycle import run_service
+
+    return run_service("decision", DecisionSettings, serve)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+import math
+import random
+
+from services.decision.domain.admission import EngineProfile
+from services.decision.domain.engine import DecisionEngine
+from services.decision.domain.kv_model import known_model
+from services.decision.domain.policy import Policy, parse_policy
+from services.decision.domain.types import (
+    ActionKind,
+    EngineLoad,
+    OomEvent,
+    PlannedCommand,
+    Priority,
+    RootCauseKind,
+)
+from sits.runtime.clock import ManualClock
+from tests.decision.decision_builders import GIB, TARGET, TOTAL, make_sample
+
+
+def _run(engine: DecisionEngine, clock: ManualClock, series: list[float], start: float = 0.0,
+         hz: float = 10.0) -> list[tuple[float, PlannedCommand]]:
+    """Feed (t, fraction) pairs; return (t, command) for every command."""
+    out = []
+    for i, frac in enumerate(series):
+        t = start + i / hz
+        clock.set(1_000_000.0 + t)
+        for command in engine.observe(make_sample(t, frac)):
+            out.append((t, command))
+    return out
+
+
+def test_a_ramp_to_oom_is_warned_well_before_it(engine: DecisionEngine, clock: ManualClock) -> None:
+    # 30 s steady, then +1%/s from 60%: memory would reach 96% at t = 66 s and 100% at t = 70 s.
+    series = [0.6] * 300 + [0.6 + 0.01 * i / 10 for i in range(400)]
+    commands = _run(engine, clock, series)
+    assert commands, "no warning on a ramp"
+    t, first = commands[0]
+    assert first.kind is ActionKind.SET_ENGINE_LIMITS
+    assert first.rule == "forecast-oom-within-5min"
+    assert 70.0 - t >= 2.0
+    assert any(e.name == "time_to_limit_s" for e in first.evidence)
+    assert first.deadline - first.issued_at == 5.0 and first.policy_version == 1
+
+
+def test_noisy_plateau_and_sawtooth_below_the_limit_stay_quiet(policy: Policy) -> None:
+    rng = random.Random(7)
+    plateau = [0.8 + rng.gauss(0, 0.01) for _ in range(3000)]
+    sawtooth = [0.5 + 0.3 * ((i / 10) % 3.0) / 3.0 for i in range(3000)]
+    for series in (plateau, sawtooth):
+        clock = ManualClock(1_000_000.0)
+        engine = DecisionEngine(policy, clock)
+        assert _run(engine, clock, series) == []
+
+
+def test_cooldown_and_hysteresis_stop_flapping(engine: DecisionEngine, clock: ManualClock) -> None:
+    kv = [0.95, 0.91, 0.95, 0.91] * 50  # hovers around the 92% threshold, inside the 3% hysteresis
+    fired = []
+    for i, usage in enumerate(kv):
+        t = i * 0.5
+        clock.set(1_000_000.0 + t)
+        fired += engine.observe(make_sample(t, 0.5, engine=EngineLoad(kv_cache_usage=usage)))
+    assert [c.kind for c in fired] == [ActionKind.SHED_PRIORITY]
+    assert fired[0].params["priority"] == "P2"
+    # Falling well below the threshold clears the latch and closes the breaker, once.
+    cleared = []
+    for i in range(100):
+        t = 200 + i * 0.5
+        clock.set(1_000_000.0 + t)
+        cleared += engine.observe(make_sample(t, 0.5, engine=EngineLoad(kv_cache_usage=0.5)))
+    assert [(c.kind, c.params["state"]) for c in cleared] == [(ActionKind.SHED_PRIORITY, "CLOSED")]
+
+
+def test_never_two_commands_for_one_target_inside_its_cooldown(policy: Policy, clock: ManualClock) -> None:
+    engine = DecisionEngine(policy, clock)
+    from services.decision.domain.types import AllocatorStats
+
+    frag = AllocatorStats(allocated_bytes=40 * GIB, reserved_bytes=80 * GIB, inactive_split_bytes=20 * GIB)
+    times = []
+    for i in range(100):
+        t = i * 0.1
+        # KV high and fragmentation high at once: two rules want the engine.
+        for c in engine.observe(make_sample(t, 0.6, engine=EngineLoad(kv_cache_usage=0.97), allocator=frag)):
+            times.append((t, c.target.key, c.rule))
+    assert len(times) == 2
+    assert times[1][0] - times[0][0] >= policy.spec.defaults.target_cooldown_s
+
+
+def test_an_oom_is_acted_on_with_its_root_cause(engine: DecisionEngine, clock: ManualClock) -> None:
+    for i in range(50):
+        engine.observe(make_sample(i * 0.1, 0.7))
+    commands = engine.observe_oom(OomEvent(TARGET, 5.0, "oom-1", requested_bytes=2 * GIB, device_free_bytes=GIB,
+                                           device_total_bytes=TOTAL, message="CUDA out of memory"))
+    assert [c.kind for c in commands] == [ActionKind.ABORT_LOW_PRIORITY]
+    assert commands[0].cause_event_id == "oom-1"
+    assert any(e.name == "oom_requested_bytes" and e.value == 2 * GIB for e in commands[0].evidence)
+    # The same OOM delivered twice (at-least-once) is acted on once.
+    assert engine.observe_oom(OomEvent(TARGET, 5.0, "oom-1", requested_bytes=2 * GIB)) == []
+
+
+def test_admit_refuses_what_does_not_fit_and_says_why(policy: Policy, clock: ManualClock) -> None:
+    profile = EngineProfile(known_model("llama-3-8b"), max_model_len=32768)
+    engine = DecisionEngine(policy, clock, profiles={"vllm-0": profile})
+    load = EngineLoad(kv_cache_usage=0.9, kv_blocks_total=1000, kv_blocks_used=900, block_size=16)
+    engine.observe(make_sample(1.0, 0.7, engine=load))
+    fits = engine.admit(TARGET, prompt_tokens=1000, max_tokens=200, priority=Priority.P1)
+    assert fits.admitted and fits.kv_bytes_needed == 1200 * 131072
+    refused = engine.admit(TARGET, prompt_tokens=1500, max_tokens=200)
+    assert not refused.admitted
+    assert "GiB of KV" in refused.reason and refused.kv_bytes_free == 100 * 16 * 131072
+    too_long = engine.admit(TARGET, prompt_tokens=40000, max_tokens=1)
+    assert not too_long.admitted and "max model length" in too_long.reason
+
+
+def test_explain_and_evaluate(engine: DecisionEngine, clock: ManualClock) -> None:
+    assert engine.explain(TARGET) is None
+    samples = [make_sample(i * 0.1, 0.5 + 0.004 * max(0, i - 300), event_id=f"e{i}") for i in range(500)]
+    result = engine.evaluate(samples)
+    assert result.commands and result.forecast.time_to_limit_s is not None
+    # What-if leaves the live engine untouched.
+    assert engine.explain(TARGET) is None
+    for s in samples[:10]:
+        engine.observe(s)
+    explanation = engine.explain(TARGET)
+    assert explanation is not None and len(explanation.window) == 10
+    assert explanation.root_cause.kind is RootCauseKind.NONE or explanation.root_cause.confidence >= 0
+
+
+def test_put_policy_keeps_latches_only_for_rules_that_remain(engine: DecisionEngine, clock: ManualClock) -> None:
+    engine.observe(make_sample(1.0, 0.5, engine=EngineLoad(kv_cache_usage=0.99)))
+    explanation = engine.explain(TARGET)
+    assert explanation is not None and explanation.latched_rules == ("kv-usage-shed-p2",)
+    engine.set_policy(parse_policy("rules:\n  - name: other\n    when: {memory_fraction_above: 0.99}\n"
+                                   "    then: {kind: FLUSH_CACHE}\n", version=2))
+    explanation = engine.explain(TARGET)
+    assert explanation is not None and explanation.latched_rules == ()
+    assert math.isfinite(explanation.forecast.memory_fraction)
