@@ -44,12 +44,16 @@ typecheck: setup
 	@echo "==> mypy"
 	@$(VENV)/bin/mypy
 
+# The Triton kernels run under TRITON_INTERPRET=1, which Triton reads once at import: they get a
+# pytest process of their own. GPU-marked tests run on the H200 (scripts/gpu/*.sh), not here.
 test: setup redis lint typecheck
-	@echo "==> pytest (real Tansu, Redis, Envoy, vLLM on the CPU)"
-	@$(PY) -m pytest $(PYTEST_ARGS)
+	@echo "==> pytest: kernels on the CPU (Triton interpreter)"
+	@TRITON_INTERPRET=1 $(PY) -m pytest tests/kernels -m "not gpu" $(PYTEST_ARGS)
+	@echo "==> pytest: everything else (real Tansu, Redis, Envoy, vLLM on the CPU)"
+	@$(PY) -m pytest --ignore=tests/kernels -m "not gpu" $(PYTEST_ARGS)
 
 test-fast: setup redis
-	@$(PY) -m pytest -m "not vllm and not slow" $(PYTEST_ARGS)
+	@$(PY) -m pytest --ignore=tests/kernels -m "not vllm and not slow and not gpu" $(PYTEST_ARGS)
 
 bench: setup redis
 	@$(PY) bench/run_all.py
