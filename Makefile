@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 STUBS := sits/v1/events_pb2.py
 PYTEST_ARGS ?=
 
-.PHONY: setup stubs demo test test-fast lint typecheck bench bench-gpu clean redis
+.PHONY: setup stubs demo test test-fast lint typecheck bench bench-gpu clean redis promtool
 
 $(STAMP): requirements.lock pyproject.toml
 	@echo "==> creating the virtualenv and installing pinned packages (first run: a few minutes)"
@@ -32,6 +32,9 @@ stubs: $(STUBS)
 redis:
 	@scripts/ensure_redis.sh
 
+promtool:
+	@scripts/ensure_promtool.sh
+
 demo: setup redis
 	@$(VENV)/bin/sits demo
 
@@ -46,13 +49,13 @@ typecheck: setup
 
 # The Triton kernels run under TRITON_INTERPRET=1, which Triton reads once at import: they get a
 # pytest process of their own. GPU-marked tests run on the H200 (scripts/gpu/*.sh), not here.
-test: setup redis lint typecheck
+test: setup redis promtool lint typecheck
 	@echo "==> pytest: kernels on the CPU (Triton interpreter)"
 	@TRITON_INTERPRET=1 $(PY) -m pytest tests/kernels -m "not gpu" $(PYTEST_ARGS)
 	@echo "==> pytest: everything else (real Tansu, Redis, Envoy, vLLM on the CPU)"
 	@$(PY) -m pytest --ignore=tests/kernels -m "not gpu" $(PYTEST_ARGS)
 
-test-fast: setup redis
+test-fast: setup redis promtool
 	@$(PY) -m pytest --ignore=tests/kernels -m "not vllm and not slow and not gpu" $(PYTEST_ARGS)
 
 bench: setup redis

@@ -144,7 +144,7 @@ def forecast_to_pb(forecast: Forecast) -> decision_pb2.Forecast:
 
 def root_cause_to_pb(root_cause: RootCause) -> decision_pb2.RootCause:
     return decision_pb2.RootCause(
-        kind=f"ROOT_CAUSE_KIND_{root_cause.kind.value}",
+        kind=decision_pb2.RootCauseKind.Value(f"ROOT_CAUSE_KIND_{root_cause.kind.value}"),
         confidence=root_cause.confidence,
         evidence=[evidence_to_pb(e) for e in root_cause.evidence],
     )
@@ -159,7 +159,7 @@ def command_to_pb(command: PlannedCommand, source: str = SOURCE) -> events_pb2.H
     """The HealingCommand for a planned command; its event id is the command id (idempotent re-sends)."""
     message = events_pb2.HealingCommand(
         command_id=command.command_id,
-        kind=f"ACTION_KIND_{command.kind.value}",
+        kind=events_pb2.ActionKind.Value(f"ACTION_KIND_{command.kind.value}"),
         reason=command.reason,
         evidence=[evidence_to_pb(e) for e in command.evidence],
         policy_rule=command.rule,

@@ -78,7 +78,7 @@ def build_engine(settings: DecisionSettings, clock: Clock) -> DecisionEngine:
 async def serve(settings: DecisionSettings, stop: asyncio.Event) -> None:
     engine = build_engine(settings, SystemClock())
     topics = Topics(settings.topic_prefix)
-    serve_metrics(settings.metrics_port)
+    serve_metrics(settings.metrics_port, settings.metrics_bind)
     await ensure_topics(settings)
     server = GrpcServer(
         [ServiceBinding(decision_pb2_grpc.add_DecisionServicer_to_server, DecisionService(engine), SERVICE_NAME)],

@@ -36,7 +36,7 @@ SETTINGS = ValidatorSettings
 
 async def serve(settings: ValidatorSettings, stop: asyncio.Event) -> None:
     topics = Topics(settings.topic_prefix)
-    serve_metrics(settings.metrics_port)
+    serve_metrics(settings.metrics_port, settings.metrics_bind)
     await ensure_topics(settings)
     redis = connect(settings.redis_url)
     async with contextlib.AsyncExitStack() as stack:

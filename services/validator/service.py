@@ -140,7 +140,7 @@ class ValidatorService:
             verdict_id=f"verdict-{pending.action_id}",
             action_id=pending.action_id,
             command_id=pending.command_id,
-            verdict=events_pb2.Verdict.Value(f"VERDICT_{judgement.outcome.value}"),  # type: ignore[arg-type]
+            verdict=events_pb2.Verdict.Value(f"VERDICT_{judgement.outcome.value}"),
             trace_id=current_trace_id(),
         )
         verdict.settled_at.FromNanoseconds(int(now * 1e9))

@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 
 from sits.demo.load import RequestOutcome
 from sits.runtime.events import memory_fraction, seconds
-from sits.v1 import events_pb2
+from sits.v1 import common_pb2, events_pb2
 
 
 @dataclass(frozen=True)
@@ -79,12 +79,15 @@ class Timeline:
     actions: list[ActionPoint] = field(default_factory=list)
     verdicts: list[VerdictPoint] = field(default_factory=list)
     requests: deque[RequestPoint] = field(default_factory=lambda: deque(maxlen=200_000))
+    # The full target of each name seen, for calls that need it (Explain).
+    targets: dict[str, common_pb2.Target] = field(default_factory=dict)
 
     def rel(self, wall: float) -> float:
         return wall - self.started
 
     def on_event(self, _topic: str, message: Message) -> None:
         if isinstance(message, events_pb2.MetricSample):
+            self.targets.setdefault(_target(message.meta.target), message.meta.target)
             engine = message.engine if message.HasField("engine") else None
             self.samples.append(
                 SamplePoint(

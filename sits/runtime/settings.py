@@ -55,6 +55,7 @@ class Settings(BaseSettings):
     decision_addr: str = Field("127.0.0.1:50062", description="Where the decision service's gRPC API listens.")
     executor_addr: str = Field("127.0.0.1:50063", description="Where the executor service's gRPC API listens.")
     validator_addr: str = Field("127.0.0.1:50064", description="Where the validator service's gRPC API listens.")
+    metrics_bind: str = Field("127.0.0.1", description="Address the /metrics endpoint listens on.")
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Prometheus /metrics port of this process (0: pick a free one)."
     )

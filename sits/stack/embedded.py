@@ -10,6 +10,7 @@ child; nothing is left behind.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import sys
@@ -123,6 +124,27 @@ class EmbeddedStack:
             self.token_file.write_text(secrets.token_urlsafe(32))
             self.token_file.chmod(0o600)
         await asyncio.gather(*(self.start_service(name) for name in self.config.services))
+        self.write_manifest()
+
+    def write_manifest(self) -> Path:
+        """Where everything listens, for `sits watch` and other tools started beside the stack."""
+        path = self.config.run_dir / "stack.json"
+        path.write_text(
+            json.dumps(
+                {
+                    "kafka_bootstrap": self.broker.bootstrap,
+                    "redis_url": self.config.redis_url,
+                    "topic_prefix": self.config.topic_prefix,
+                    "token_file": str(self.token_file),
+                    "services": {
+                        name: {"address": s.address, "metrics_port": s.metrics_port, "pid": s.process.pid}
+                        for name, s in self.services.items()
+                    },
+                },
+                indent=2,
+            )
+        )
+        return path
 
     async def start_service(self, name: str) -> ServiceProcess:
         """Start (or restart) one service and wait until it is SERVING."""

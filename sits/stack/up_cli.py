@@ -17,9 +17,7 @@ from sits.stack.embedded import EmbeddedStack, StackConfig
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, default=Path(".run"), help="logs, token and spool (default: .run)")
-    parser.add_argument(
-        "--redis-url", default="redis://127.0.0.1:6379/0", help="Redis to use (default: %(default)s)"
-    )
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis to use (default: %(default)s)")
     parser.add_argument("--for", dest="duration", type=float, default=None, help="stop after this many seconds")
 
 

@@ -126,14 +126,22 @@ class VllmServer:
 
     def command(self) -> list[str]:
         args = [
-            sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server",
-            "--model", str(self.model_dir),
-            "--host", "127.0.0.1",
-            "--port", str(self.port),
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.launchers.grpc_server",
+            "--model",
+            str(self.model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
             "--skip-tokenizer-init",
-            "--max-model-len", str(self.max_model_len),
-            "--max-num-seqs", str(self.max_num_seqs),
-            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
             "--enforce-eager",
             # The prefill chunk cap needs chunked prefill; the CPU build leaves it to us.
             "--enable-chunked-prefill",
@@ -145,9 +153,7 @@ class VllmServer:
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
-        )
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         if self.control_address:
             env[CONTROL_ADDR_ENV] = self.control_address
