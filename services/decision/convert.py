@@ -24,8 +24,11 @@ from sits.v1 import common_pb2, decision_pb2, events_pb2
 SOURCE = "decision"
 
 _PRIORITY_NAMES = {"P0": common_pb2.PRIORITY_P0, "P1": common_pb2.PRIORITY_P1, "P2": common_pb2.PRIORITY_P2}
-_BREAKER_STATES = {"OPEN": events_pb2.BREAKER_STATE_OPEN, "HALF_OPEN": events_pb2.BREAKER_STATE_HALF_OPEN,
-                   "CLOSED": events_pb2.BREAKER_STATE_CLOSED}
+_BREAKER_STATES = {
+    "OPEN": events_pb2.BREAKER_STATE_OPEN,
+    "HALF_OPEN": events_pb2.BREAKER_STATE_HALF_OPEN,
+    "CLOSED": events_pb2.BREAKER_STATE_CLOSED,
+}
 
 
 def _seconds(ts: timestamp_pb2.Timestamp) -> float:
@@ -43,8 +46,9 @@ def target_from_pb(target: common_pb2.Target) -> Target:
 
 
 def target_to_pb(target: Target) -> common_pb2.Target:
-    return common_pb2.Target(host=target.host, gpu_uuid=target.gpu_uuid, mig_instance=target.mig_instance,
-                             engine=target.engine)
+    return common_pb2.Target(
+        host=target.host, gpu_uuid=target.gpu_uuid, mig_instance=target.mig_instance, engine=target.engine
+    )
 
 
 def _allocator_from_pb(a: events_pb2.AllocatorStats) -> AllocatorStats:
@@ -52,9 +56,13 @@ def _allocator_from_pb(a: events_pb2.AllocatorStats) -> AllocatorStats:
 
 
 def _allocator_to_pb(a: AllocatorStats) -> events_pb2.AllocatorStats:
-    return events_pb2.AllocatorStats(allocated_bytes=a.allocated_bytes, reserved_bytes=a.reserved_bytes,
-                                     inactive_split_bytes=a.inactive_split_bytes, alloc_retries=a.alloc_retries,
-                                     num_ooms=a.num_ooms)
+    return events_pb2.AllocatorStats(
+        allocated_bytes=a.allocated_bytes,
+        reserved_bytes=a.reserved_bytes,
+        inactive_split_bytes=a.inactive_split_bytes,
+        alloc_retries=a.alloc_retries,
+        num_ooms=a.num_ooms,
+    )
 
 
 def sample_from_pb(sample: events_pb2.MetricSample) -> Sample:
@@ -66,9 +74,18 @@ def sample_from_pb(sample: events_pb2.MetricSample) -> Sample:
     engine = None
     if sample.HasField("engine"):
         e = sample.engine
-        engine = EngineLoad(e.kv_cache_usage, e.num_requests_running, e.num_requests_waiting, e.num_preemptions,
-                            e.admission_rejections, e.tokens_in_flight, e.kv_blocks_total, e.kv_blocks_used,
-                            e.block_size, e.lora_adapters_loaded)
+        engine = EngineLoad(
+            e.kv_cache_usage,
+            e.num_requests_running,
+            e.num_requests_waiting,
+            e.num_preemptions,
+            e.admission_rejections,
+            e.tokens_in_flight,
+            e.kv_blocks_total,
+            e.kv_blocks_used,
+            e.block_size,
+            e.lora_adapters_loaded,
+        )
     return Sample(
         target=target_from_pb(meta.target),
         t=_seconds(meta.produced_at),
@@ -90,19 +107,33 @@ def sample_to_pb(sample: Sample) -> events_pb2.MetricSample:
     message.meta.produced_at.CopyFrom(_timestamp(sample.t))
     if sample.gpu is not None:
         g = sample.gpu
-        message.gpu.CopyFrom(events_pb2.GpuMemory(used_bytes=g.used_bytes, total_bytes=g.total_bytes,
-                                                  reserved_bytes=g.reserved_bytes, free_bytes=g.free_bytes,
-                                                  utilization_pct=g.utilization_pct))
+        message.gpu.CopyFrom(
+            events_pb2.GpuMemory(
+                used_bytes=g.used_bytes,
+                total_bytes=g.total_bytes,
+                reserved_bytes=g.reserved_bytes,
+                free_bytes=g.free_bytes,
+                utilization_pct=g.utilization_pct,
+            )
+        )
     for p in sample.processes:
         message.processes.add(pid=p.pid, used_bytes=p.used_bytes, name=p.name, is_target_engine=p.is_target_engine)
     if sample.engine is not None:
         e = sample.engine
-        message.engine.CopyFrom(events_pb2.EngineLoad(
-            kv_cache_usage=e.kv_cache_usage, num_requests_running=e.num_requests_running,
-            num_requests_waiting=e.num_requests_waiting, num_preemptions=e.num_preemptions,
-            admission_rejections=e.admission_rejections, tokens_in_flight=e.tokens_in_flight,
-            kv_blocks_total=e.kv_blocks_total, kv_blocks_used=e.kv_blocks_used, block_size=e.block_size,
-            lora_adapters_loaded=e.lora_adapters_loaded))
+        message.engine.CopyFrom(
+            events_pb2.EngineLoad(
+                kv_cache_usage=e.kv_cache_usage,
+                num_requests_running=e.num_requests_running,
+                num_requests_waiting=e.num_requests_waiting,
+                num_preemptions=e.num_preemptions,
+                admission_rejections=e.admission_rejections,
+                tokens_in_flight=e.tokens_in_flight,
+                kv_blocks_total=e.kv_blocks_total,
+                kv_blocks_used=e.kv_blocks_used,
+                block_size=e.block_size,
+                lora_adapters_loaded=e.lora_adapters_loaded,
+            )
+        )
     if sample.allocator is not None:
         message.allocator.CopyFrom(_allocator_to_pb(sample.allocator))
     return message
@@ -183,18 +214,24 @@ def command_to_pb(command: PlannedCommand, source: str = SOURCE) -> events_pb2.H
             limits.admission_paused = bool(params["admission_paused"])
         message.engine_limits.CopyFrom(limits)
     elif kind is ActionKind.SHED_PRIORITY:
-        message.breaker.CopyFrom(events_pb2.BreakerSetting(
-            priority=_PRIORITY_NAMES.get(str(params.get("priority")), common_pb2.PRIORITY_P2),
-            state=_BREAKER_STATES.get(str(params.get("state")), events_pb2.BREAKER_STATE_OPEN),
-            max_requests=_int(params, "max_requests"),
-            ttl_seconds=_int(params, "ttl_seconds", 30)))
+        message.breaker.CopyFrom(
+            events_pb2.BreakerSetting(
+                priority=_PRIORITY_NAMES.get(str(params.get("priority")), common_pb2.PRIORITY_P2),
+                state=_BREAKER_STATES.get(str(params.get("state")), events_pb2.BREAKER_STATE_OPEN),
+                max_requests=_int(params, "max_requests"),
+                ttl_seconds=_int(params, "ttl_seconds", 30),
+            )
+        )
     elif kind is ActionKind.SET_PRESSURE:
         pressure = params.get("pressure", 0.0)
         message.pressure = float(pressure) if isinstance(pressure, int | float) else 0.0
     elif kind is ActionKind.ABORT_LOW_PRIORITY:
-        message.abort.CopyFrom(events_pb2.AbortParams(
-            at_or_below=_PRIORITY_NAMES.get(str(params.get("at_or_below")), common_pb2.PRIORITY_P2),
-            max_streams=_int(params, "max_streams", 1)))
+        message.abort.CopyFrom(
+            events_pb2.AbortParams(
+                at_or_below=_PRIORITY_NAMES.get(str(params.get("at_or_below")), common_pb2.PRIORITY_P2),
+                max_streams=_int(params, "max_streams", 1),
+            )
+        )
     elif kind is ActionKind.MIG_REBALANCE:
         tenants = params.get("tenant_bytes", {})
         mig = events_pb2.MigRebalanceParams(dry_run=bool(params.get("dry_run", True)))

@@ -85,8 +85,9 @@ class MemoryBreakdown:
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data.update(workspace_bytes=self.workspace_bytes, allocator_bytes=self.allocator_bytes,
-                    device_bytes=self.device_bytes)
+        data.update(
+            workspace_bytes=self.workspace_bytes, allocator_bytes=self.allocator_bytes, device_bytes=self.device_bytes
+        )
         return data
 
 
@@ -121,8 +122,7 @@ def estimate(request: EstimateRequest) -> MemoryBreakdown:
         kv_bytes=tokens * per_token,
         activation_bytes=shape.activation_bytes(request.chunk_tokens, request.batch, weight_bytes, request.tp),
         fixed_workspace_bytes=request.fixed_workspace_bytes,
-        collective_buffer_bytes=collective_buffer_bytes(request.tp, request.nccl_buffsize,
-                                                        request.nccl_channels),
+        collective_buffer_bytes=collective_buffer_bytes(request.tp, request.nccl_buffsize, request.nccl_channels),
         cuda_context_bytes=request.cuda_context_bytes,
     )
 
@@ -139,8 +139,12 @@ def fit(request: EstimateRequest, gpu_bytes: int, utilization: float) -> Fit:
         raise ValueError("utilization must be in (0, 1]")
     breakdown = estimate(request)
     budget = int(gpu_bytes * utilization)
-    fixed = (breakdown.weights_bytes + breakdown.workspace_bytes + breakdown.collective_buffer_bytes
-             + breakdown.cuda_context_bytes)
+    fixed = (
+        breakdown.weights_bytes
+        + breakdown.workspace_bytes
+        + breakdown.collective_buffer_bytes
+        + breakdown.cuda_context_bytes
+    )
     kv_budget = max(0, budget - fixed)
     max_tokens = kv_budget // breakdown.kv_bytes_per_token
     return Fit(

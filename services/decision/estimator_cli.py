@@ -26,12 +26,21 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="weight and activation dtype (default bfloat16)")
     parser.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    parser.add_argument("--max-batched-tokens", type=int, default=None,
-                        help="tokens per forward step (vLLM max_num_batched_tokens); default: whole prefill")
-    parser.add_argument("--gpu-memory-gib", type=float, default=H200_BYTES / GIB,
-                        help="device memory in GiB (default: an H200, 140.4)")
-    parser.add_argument("--utilization", type=float, default=0.9,
-                        help="share of the device the engine may use (vLLM gpu_memory_utilization, default 0.9)")
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per forward step (vLLM max_num_batched_tokens); default: whole prefill",
+    )
+    parser.add_argument(
+        "--gpu-memory-gib", type=float, default=H200_BYTES / GIB, help="device memory in GiB (default: an H200, 140.4)"
+    )
+    parser.add_argument(
+        "--utilization",
+        type=float,
+        default=0.9,
+        help="share of the device the engine may use (vLLM gpu_memory_utilization, default 0.9)",
+    )
     parser.add_argument("--nccl-buffsize", type=int, default=None, help="NCCL_BUFFSIZE in bytes (default 4 MiB)")
     parser.add_argument("--nccl-channels", type=int, default=None, help="NCCL channels (default 16)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -58,8 +67,16 @@ def _request(args: argparse.Namespace) -> EstimateRequest:
         extra["nccl_buffsize"] = args.nccl_buffsize
     if args.nccl_channels is not None:
         extra["nccl_channels"] = args.nccl_channels
-    return EstimateRequest(shape=load_shape(args.model), batch=args.batch, seq_len=args.seq_len, dtype=args.dtype,
-                           kv_dtype=args.kv_dtype, tp=args.tp, max_batched_tokens=args.max_batched_tokens, **extra)
+    return EstimateRequest(
+        shape=load_shape(args.model),
+        batch=args.batch,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+        tp=args.tp,
+        max_batched_tokens=args.max_batched_tokens,
+        **extra,
+    )
 
 
 def _table(breakdown: MemoryBreakdown, request: EstimateRequest, args: argparse.Namespace) -> None:
@@ -67,17 +84,25 @@ def _table(breakdown: MemoryBreakdown, request: EstimateRequest, args: argparse.
     from rich.table import Table
 
     fits = fit(request, int(args.gpu_memory_gib * GIB), args.utilization)
-    table = Table(title=f"{breakdown.model}: batch {request.batch} × {request.seq_len} tokens, {request.dtype}, "
-                        f"TP {request.tp} (per rank)")
+    table = Table(
+        title=f"{breakdown.model}: batch {request.batch} × {request.seq_len} tokens, {request.dtype}, "
+        f"TP {request.tp} (per rank)"
+    )
     table.add_column("part")
     table.add_column("GiB", justify="right")
     table.add_column("note")
     rows = [
         ("weights", breakdown.weights_bytes, f"{breakdown.params / 1e9:.2f} B parameters"),
-        ("KV cache per layer", breakdown.kv_bytes_per_layer,
-         f"{breakdown.kv_bytes_per_token} B per token (all layers)"),
-        ("KV cache total", breakdown.kv_bytes, f"{request.shape.num_layers} layers, "
-                                               f"{request.shape.kv_heads_per_rank(request.tp)} KV heads per rank"),
+        (
+            "KV cache per layer",
+            breakdown.kv_bytes_per_layer,
+            f"{breakdown.kv_bytes_per_token} B per token (all layers)",
+        ),
+        (
+            "KV cache total",
+            breakdown.kv_bytes,
+            f"{request.shape.num_layers} layers, {request.shape.kv_heads_per_rank(request.tp)} KV heads per rank",
+        ),
         ("activations", breakdown.activation_bytes, f"{request.chunk_tokens} tokens per forward step"),
         ("fixed workspace", breakdown.fixed_workspace_bytes, "cuBLAS and similar"),
         ("PyTorch allocator total", breakdown.allocator_bytes, "≈ torch.cuda.max_memory_allocated"),
@@ -90,9 +115,11 @@ def _table(breakdown: MemoryBreakdown, request: EstimateRequest, args: argparse.
     console = Console()
     console.print(table)
     verdict = "fits" if fits.fits else "does NOT fit"
-    console.print(f"{args.gpu_memory_gib:.1f} GiB × {args.utilization:.2f}: this batch {verdict}; "
-                  f"KV room for {fits.max_tokens} tokens: batch {fits.max_batch_at_seq_len} at {request.seq_len} "
-                  f"tokens, or {fits.max_seq_len_at_batch} tokens at batch {request.batch}.")
+    console.print(
+        f"{args.gpu_memory_gib:.1f} GiB × {args.utilization:.2f}: this batch {verdict}; "
+        f"KV room for {fits.max_tokens} tokens: batch {fits.max_batch_at_seq_len} at {request.seq_len} "
+        f"tokens, or {fits.max_seq_len_at_batch} tokens at batch {request.batch}."
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,8 +138,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sits estimate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="sits estimate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     configure_parser(parser)
     return run(parser.parse_args(argv))
 

@@ -36,25 +36,33 @@ class DecisionService(decision_pb2_grpc.DecisionServicer):
 
     async def Admit(self, request: decision_pb2.AdmitRequest, context: Context) -> decision_pb2.AdmitResponse:
         try:
-            decision = self._engine.admit(convert.target_from_pb(request.target), request.prompt_tokens,
-                                          request.max_tokens, convert.priority_from_pb(request.priority))
+            decision = self._engine.admit(
+                convert.target_from_pb(request.target),
+                request.prompt_tokens,
+                request.max_tokens,
+                convert.priority_from_pb(request.priority),
+            )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # unreachable: abort raises
-        return decision_pb2.AdmitResponse(admitted=decision.admitted, reason=decision.reason,
-                                          kv_bytes_needed=decision.kv_bytes_needed,
-                                          kv_bytes_free=decision.kv_bytes_free)
+        return decision_pb2.AdmitResponse(
+            admitted=decision.admitted,
+            reason=decision.reason,
+            kv_bytes_needed=decision.kv_bytes_needed,
+            kv_bytes_free=decision.kv_bytes_free,
+        )
 
-    async def Evaluate(self, request: decision_pb2.EvaluateRequest,
-                       context: Context) -> decision_pb2.EvaluateResponse:
+    async def Evaluate(self, request: decision_pb2.EvaluateRequest, context: Context) -> decision_pb2.EvaluateResponse:
         if len(request.samples) + len(request.ooms) > MAX_EVALUATE_EVENTS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"at most {MAX_EVALUATE_EVENTS} samples and OOM events per Evaluate")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_EVALUATE_EVENTS} samples and OOM events per Evaluate"
+            )
         if not request.samples and not request.ooms:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Evaluate needs at least one sample or OOM event")
         target = convert.target_from_pb(request.target) if request.HasField("target") else None
-        result = self._engine.evaluate([convert.sample_from_pb(s) for s in request.samples],
-                                       [convert.oom_from_pb(o) for o in request.ooms], target)
+        result = self._engine.evaluate(
+            [convert.sample_from_pb(s) for s in request.samples], [convert.oom_from_pb(o) for o in request.ooms], target
+        )
         return decision_pb2.EvaluateResponse(
             forecast=convert.forecast_to_pb(result.forecast),
             root_cause=convert.root_cause_to_pb(result.root_cause),
@@ -71,8 +79,10 @@ class DecisionService(decision_pb2_grpc.DecisionServicer):
         async with self._policy_lock:
             current = self._engine.policy
             if request.expected_version and request.expected_version != current.version:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"policy version is {current.version}, not {request.expected_version}")
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"policy version is {current.version}, not {request.expected_version}",
+                )
             try:
                 policy = parse_policy(request.yaml, version=current.version + 1)
             except PolicyError as exc:
@@ -99,4 +109,3 @@ class DecisionService(decision_pb2_grpc.DecisionServicer):
         if explanation.last_command is not None:
             message.last_command.CopyFrom(convert.command_to_pb(explanation.last_command))
         return message
-

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 from pydantic import Field
 
-from services.decision import convert
+from services.decision import convert, metrics
 from services.decision.domain.admission import EngineProfile
 from services.decision.domain.engine import DecisionEngine
 from services.decision.domain.kv_model import known_model
@@ -53,16 +54,33 @@ class DecisionHandler:
         self._engine = engine
         self._producer = producer
         self._topics = topics
+        self._drops_exported: dict[str, int] = {}
+
+    def _export_drops(self) -> None:
+        drops = self._engine.drops
+        if drops.total() == sum(self._drops_exported.values()):
+            return
+        for reason, count in drops.as_dict().items():
+            metrics.DROPPED_SAMPLES.labels(reason=reason).inc(count - self._drops_exported.get(reason, 0))
+        self._drops_exported = drops.as_dict()
 
     async def __call__(self, event: ReceivedEvent) -> None:
         message = event.message
+        started = time.perf_counter()
         if isinstance(message, events_pb2.MetricSample):
-            commands = self._engine.observe(convert.sample_from_pb(message))
+            sample = convert.sample_from_pb(message)
+            commands = self._engine.observe(sample)
+            forecast = self._engine.forecast_of(sample.target)
+            if forecast is not None:
+                metrics.export_forecast(sample.target, forecast, self._engine.policy.spec.forecast.horizon_s)
+            self._export_drops()
         elif isinstance(message, events_pb2.OomEvent):
             commands = self._engine.observe_oom(convert.oom_from_pb(message))
         else:
             return
+        metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
         for command in commands:
+            metrics.COMMANDS.labels(kind=command.kind.value.lower(), rule=command.rule).inc()
             log.info(
                 "command %s %s for %s: %s", command.command_id, command.kind.value, command.target.key, command.reason
             )

@@ -28,26 +28,42 @@ def _int(raw: Mapping[str, Any], key: str) -> int:
 def _allocator(raw: Mapping[str, Any] | None) -> AllocatorStats | None:
     if not raw:
         return None
-    return AllocatorStats(_int(raw, "allocated_bytes"), _int(raw, "reserved_bytes"),
-                          _int(raw, "inactive_split_bytes"), _int(raw, "alloc_retries"), _int(raw, "num_ooms"))
+    return AllocatorStats(
+        _int(raw, "allocated_bytes"),
+        _int(raw, "reserved_bytes"),
+        _int(raw, "inactive_split_bytes"),
+        _int(raw, "alloc_retries"),
+        _int(raw, "num_ooms"),
+    )
 
 
 def target_from_header(raw: Mapping[str, Any] | None) -> Target:
     raw = raw or {}
-    return Target(str(raw.get("host", "")), str(raw.get("gpu_uuid", "")), str(raw.get("mig_instance", "")),
-                  str(raw.get("engine", "")))
+    return Target(
+        str(raw.get("host", "")),
+        str(raw.get("gpu_uuid", "")),
+        str(raw.get("mig_instance", "")),
+        str(raw.get("engine", "")),
+    )
 
 
-def record_to_sample(record: Mapping[str, Any], target: Target, t0: float, sequence: int,
-                     event_id: str = "", source: str = "replay") -> Sample:
+def record_to_sample(
+    record: Mapping[str, Any], target: Target, t0: float, sequence: int, event_id: str = "", source: str = "replay"
+) -> Sample:
     gpu_raw = record.get("gpu")
     gpu = None
     if gpu_raw:
-        gpu = GpuMemory(_int(gpu_raw, "used_bytes"), _int(gpu_raw, "total_bytes"), _int(gpu_raw, "reserved_bytes"),
-                        _int(gpu_raw, "free_bytes"), float(gpu_raw.get("utilization_pct", 0.0) or 0.0))
+        gpu = GpuMemory(
+            _int(gpu_raw, "used_bytes"),
+            _int(gpu_raw, "total_bytes"),
+            _int(gpu_raw, "reserved_bytes"),
+            _int(gpu_raw, "free_bytes"),
+            float(gpu_raw.get("utilization_pct", 0.0) or 0.0),
+        )
     processes = tuple(
-        ProcessMemory(_int(p, "pid"), _int(p, "used_bytes"), str(p.get("name", "")),
-                      bool(p.get("is_target_engine", False)))
+        ProcessMemory(
+            _int(p, "pid"), _int(p, "used_bytes"), str(p.get("name", "")), bool(p.get("is_target_engine", False))
+        )
         for p in record.get("processes") or ()
     )
     engine_raw = record.get("engine")
@@ -65,13 +81,27 @@ def record_to_sample(record: Mapping[str, Any], target: Target, t0: float, seque
             block_size=_int(engine_raw, "block_size"),
             lora_adapters_loaded=_int(engine_raw, "lora_adapters_loaded"),
         )
-    return Sample(target=target, t=t0 + float(record["t"]), event_id=event_id, source=source, sequence=sequence,
-                  gpu=gpu, processes=processes, engine=engine, allocator=_allocator(record.get("allocator")))
+    return Sample(
+        target=target,
+        t=t0 + float(record["t"]),
+        event_id=event_id,
+        source=source,
+        sequence=sequence,
+        gpu=gpu,
+        processes=processes,
+        engine=engine,
+        allocator=_allocator(record.get("allocator")),
+    )
 
 
 def record_to_oom(record: Mapping[str, Any], target: Target, t0: float, event_id: str = "") -> OomEvent:
-    return OomEvent(target=target, t=t0 + float(record["t"]), event_id=event_id,
-                    requested_bytes=_int(record, "requested_bytes"),
-                    device_free_bytes=_int(record, "device_free_bytes"),
-                    device_total_bytes=_int(record, "device_total_bytes"),
-                    allocator=_allocator(record.get("allocator")), message=str(record.get("message", "")))
+    return OomEvent(
+        target=target,
+        t=t0 + float(record["t"]),
+        event_id=event_id,
+        requested_bytes=_int(record, "requested_bytes"),
+        device_free_bytes=_int(record, "device_free_bytes"),
+        device_total_bytes=_int(record, "device_total_bytes"),
+        allocator=_allocator(record.get("allocator")),
+        message=str(record.get("message", "")),
+    )

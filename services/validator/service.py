@@ -18,6 +18,7 @@ from typing import Protocol
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from services.validator import metrics
 from services.validator.audit import AuditStore
 from services.validator.domain import NOT_VALIDATED, Judgement, Outcome, PendingAction, Validator, settle_seconds
 from sits.runtime.bus import EventProducer, ReceivedEvent
@@ -130,6 +131,7 @@ class ValidatorService:
             finally:
                 otel_context.detach(token)
             self.validator.forget(pending.action_id)
+        metrics.PENDING.set(len(self.validator.pending))
         return len(due)
 
     async def _conclude(self, pending: PendingAction, judgement: Judgement) -> None:
@@ -164,8 +166,10 @@ class ValidatorService:
             rollback.deadline.FromNanoseconds(int((now + ROLLBACK_DEADLINE_S) * 1e9))
             await self._producer.publish(self._topics.commands, rollback)
             verdict.rollback_command_id = rollback.command_id
+            metrics.ROLLBACKS.labels(kind=pending.kind.lower()).inc()
         await self._producer.publish(self._topics.validation, verdict)
         if await self._audit.record_verdict(verdict, pending.target_key):
+            metrics.VERDICTS.labels(kind=pending.kind.lower(), verdict=judgement.outcome.value.lower()).inc()
             self.live.publish((pending.target_key, verdict))
             if self.on_verdict is not None:
                 await self.on_verdict(verdict)

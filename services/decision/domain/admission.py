@@ -50,15 +50,25 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def decide(prompt_tokens: int, max_tokens: int, priority: Priority, engine: EngineLoad | None,
-           profile: EngineProfile | None, memory_at_limit: bool) -> AdmitDecision:
+def decide(
+    prompt_tokens: int,
+    max_tokens: int,
+    priority: Priority,
+    engine: EngineLoad | None,
+    profile: EngineProfile | None,
+    memory_at_limit: bool,
+) -> AdmitDecision:
     check_request(prompt_tokens, max_tokens)
     tokens = prompt_tokens + max_tokens
     per_token = profile.kv_bytes_per_token if profile is not None else 0
     needed = tokens * per_token
     if profile is not None and profile.max_model_len is not None and tokens > profile.max_model_len:
-        return AdmitDecision(False, f"the request needs {tokens} tokens and the engine's max model length is "
-                             f"{profile.max_model_len}", needed, 0)
+        return AdmitDecision(
+            False,
+            f"the request needs {tokens} tokens and the engine's max model length is {profile.max_model_len}",
+            needed,
+            0,
+        )
     if engine is None or engine.kv_blocks_total <= 0 or engine.block_size <= 0:
         if memory_at_limit and priority != Priority.P0:
             return AdmitDecision(False, "device memory is at the policy's limit; only P0 is admitted", needed, 0)
@@ -69,8 +79,10 @@ def decide(prompt_tokens: int, max_tokens: int, priority: Priority, engine: Engi
     need_blocks = -(-tokens // engine.block_size)
     if need_blocks > free_blocks:
         if per_token:
-            reason = (f"the request needs {_gib(needed)} of KV ({tokens} tokens) and {_gib(free)} "
-                      f"({free_tokens} tokens) is free")
+            reason = (
+                f"the request needs {_gib(needed)} of KV ({tokens} tokens) and {_gib(free)} "
+                f"({free_tokens} tokens) is free"
+            )
         else:
             reason = f"the request needs {need_blocks} KV blocks ({tokens} tokens) and {free_blocks} are free"
         return AdmitDecision(False, reason, needed, free)

@@ -97,8 +97,13 @@ class _Context:
 
 
 class DecisionEngine:
-    def __init__(self, policy: Policy, clock: Clock, profiles: Mapping[str, EngineProfile] | None = None,
-                 window: WindowSettings | None = None) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        clock: Clock,
+        profiles: Mapping[str, EngineProfile] | None = None,
+        window: WindowSettings | None = None,
+    ) -> None:
         self._clock = clock
         self._profiles: dict[str, EngineProfile] = dict(profiles or {})
         self._window_settings = window or WindowSettings()
@@ -144,9 +149,16 @@ class DecisionEngine:
                 del self._states[oldest]
             fc = self._policy.spec.forecast
             ws = self._window_settings
-            state = _TargetState(target, TargetWindow(max_samples=ws.max_samples, max_age_s=ws.max_age_s,
-                                                      bucket_s=fc.bucket_s, trend_window_s=fc.window_s,
-                                                      min_history_s=fc.min_history_s))
+            state = _TargetState(
+                target,
+                TargetWindow(
+                    max_samples=ws.max_samples,
+                    max_age_s=ws.max_age_s,
+                    bucket_s=fc.bucket_s,
+                    trend_window_s=fc.window_s,
+                    min_history_s=fc.min_history_s,
+                ),
+            )
             self._states[key] = state
         return state
 
@@ -176,8 +188,9 @@ class DecisionEngine:
             return []
         state = self._state(oom.target)
         state.ooms += 1
-        state.root_cause = classify(list(state.window.samples), kv_bytes_per_token=self._bytes_per_token(state),
-                                    oom_allocator=oom.allocator)
+        state.root_cause = classify(
+            list(state.window.samples), kv_bytes_per_token=self._bytes_per_token(state), oom_allocator=oom.allocator
+        )
         state.root_cause_t = oom.t
         return self._apply_rules(state, oom.t, oom.event_id, self._oom_rules, oom)
 
@@ -242,8 +255,9 @@ class DecisionEngine:
                     return False
         return not (when.root_cause_in is not None and ctx.root_cause.kind.value not in when.root_cause_in)
 
-    def _apply_rules(self, state: _TargetState, t: float, cause_event_id: str, rules: Iterable[Rule],
-                     oom: OomEvent | None) -> list[PlannedCommand]:
+    def _apply_rules(
+        self, state: _TargetState, t: float, cause_event_id: str, rules: Iterable[Rule], oom: OomEvent | None
+    ) -> list[PlannedCommand]:
         ctx = _Context(state.forecast, state.root_cause, self._policy.spec.tiers.of(state.target.engine))
         commands: list[PlannedCommand] = []
         claimed: set[str] = set()
@@ -276,9 +290,17 @@ class DecisionEngine:
             state.last_command = commands[-1]
         return commands
 
-    def _plan(self, state: _TargetState, rule: Rule, actions: tuple[Action, ...], t: float,
-              cause_event_id: str, claimed: set[str], oom: OomEvent | None,
-              clearing: bool) -> list[PlannedCommand]:
+    def _plan(
+        self,
+        state: _TargetState,
+        rule: Rule,
+        actions: tuple[Action, ...],
+        t: float,
+        cause_event_id: str,
+        claimed: set[str],
+        oom: OomEvent | None,
+        clearing: bool,
+    ) -> list[PlannedCommand]:
         """Commands for all of `actions`, or none when any of their targets is in its cooldown."""
         defaults = self._policy.spec.defaults
         rule_key = (state.target.key, rule.name + (":clear" if clearing else ""))
@@ -299,30 +321,36 @@ class DecisionEngine:
         planned = []
         for action, target in zip(actions, targets, strict=True):
             kind = ActionKind(action.kind)
-            command_id = str(uuid.uuid5(COMMAND_NAMESPACE,
-                                        f"{target.key}|{rule.name}|{kind.value}|{cause_event_id}|{t!r}|{clearing}"))
-            planned.append(PlannedCommand(
-                command_id=command_id,
-                target=target,
-                kind=kind,
-                params=self._params(state, action),
-                reason=reason,
-                evidence=evidence,
-                rule=rule.name,
-                policy_version=self._policy.version,
-                target_memory_fraction=rule.target_memory_fraction or defaults.target_memory_fraction,
-                issued_at=now,
-                deadline=now + defaults.deadline_s,
-                cause_event_id=cause_event_id,
-                root_cause=state.root_cause,
-            ))
+            command_id = str(
+                uuid.uuid5(
+                    COMMAND_NAMESPACE, f"{target.key}|{rule.name}|{kind.value}|{cause_event_id}|{t!r}|{clearing}"
+                )
+            )
+            planned.append(
+                PlannedCommand(
+                    command_id=command_id,
+                    target=target,
+                    kind=kind,
+                    params=self._params(state, action),
+                    reason=reason,
+                    evidence=evidence,
+                    rule=rule.name,
+                    policy_version=self._policy.version,
+                    target_memory_fraction=rule.target_memory_fraction or defaults.target_memory_fraction,
+                    issued_at=now,
+                    deadline=now + defaults.deadline_s,
+                    cause_event_id=cause_event_id,
+                    root_cause=state.root_cause,
+                )
+            )
             self._last_command_t[target.key] = t
             claimed.add(target.key)
         self._rule_fired_t[rule_key] = t
         return planned
 
-    def _evidence(self, state: _TargetState, rule: Rule, oom: OomEvent | None,
-                  clearing: bool) -> tuple[tuple[Evidence, ...], str]:
+    def _evidence(
+        self, state: _TargetState, rule: Rule, oom: OomEvent | None, clearing: bool
+    ) -> tuple[tuple[Evidence, ...], str]:
         fc = state.forecast
         evidence = [Evidence("memory_fraction", round(fc.memory_fraction, 4), "device memory used")]
         parts: list[str] = []
@@ -332,21 +360,28 @@ class DecisionEngine:
             evidence.append(Evidence("oom_device_free_bytes", oom.device_free_bytes, "free when the OOM hit"))
             parts.append(f"CUDA OOM asking for {oom.requested_bytes / 2**30:.2f} GiB")
         if fc.time_to_limit_s is not None:
-            evidence.append(Evidence("time_to_limit_s", round(fc.time_to_limit_s, 3),
-                                     f"forecast ({fc.model}) reaches "
-                                     f"{self._policy.spec.forecast.limit_fraction:.0%} of the device"))
+            evidence.append(
+                Evidence(
+                    "time_to_limit_s",
+                    round(fc.time_to_limit_s, 3),
+                    f"forecast ({fc.model}) reaches {self._policy.spec.forecast.limit_fraction:.0%} of the device",
+                )
+            )
             evidence.append(Evidence("forecast_confidence", fc.confidence, ""))
             evidence.append(Evidence("slope_bytes_per_s", round(fc.slope_bytes_per_s, 1), ""))
         if when.time_to_limit_below_s is not None and fc.time_to_limit_s is not None:
-            parts.append(f"memory forecast to reach {self._policy.spec.forecast.limit_fraction:.0%} in "
-                         f"{fc.time_to_limit_s:.1f} s (confidence {fc.confidence:.2f})")
+            parts.append(
+                f"memory forecast to reach {self._policy.spec.forecast.limit_fraction:.0%} in "
+                f"{fc.time_to_limit_s:.1f} s (confidence {fc.confidence:.2f})"
+            )
         if when.kv_usage_above is not None or fc.kv_cache_usage > 0:
             evidence.append(Evidence("kv_cache_usage", round(fc.kv_cache_usage, 4), "engine KV cache in use"))
         if when.kv_usage_above is not None:
             parts.append(f"KV cache {fc.kv_cache_usage:.0%} used (rule: above {when.kv_usage_above:.0%})")
         if when.fragmentation_above is not None or fc.fragmentation > 0:
-            evidence.append(Evidence("fragmentation", round(fc.fragmentation, 4),
-                                     "allocator reserved but not allocated"))
+            evidence.append(
+                Evidence("fragmentation", round(fc.fragmentation, 4), "allocator reserved but not allocated")
+            )
         if when.fragmentation_above is not None:
             parts.append(f"fragmentation {fc.fragmentation:.0%} (rule: above {when.fragmentation_above:.0%})")
         if when.memory_fraction_above is not None:
@@ -378,8 +413,12 @@ class DecisionEngine:
                     params[name] = value
             return params
         if isinstance(action, ShedPriority):
-            return {"priority": action.priority, "state": action.state, "max_requests": action.max_requests,
-                    "ttl_seconds": action.ttl_seconds}
+            return {
+                "priority": action.priority,
+                "state": action.state,
+                "max_requests": action.max_requests,
+                "ttl_seconds": action.ttl_seconds,
+            }
         if isinstance(action, SetPressure):
             pressure = action.pressure
             if pressure == "forecast":
@@ -398,14 +437,21 @@ class DecisionEngine:
 
     # ------------------------------------------------------------------ queries
 
-    def admit(self, target: Target, prompt_tokens: int, max_tokens: int,
-              priority: Priority = Priority.UNSPECIFIED) -> AdmitDecision:
+    def admit(
+        self, target: Target, prompt_tokens: int, max_tokens: int, priority: Priority = Priority.UNSPECIFIED
+    ) -> AdmitDecision:
         state = self._states.get(target.key)
         profile = self._profiles.get(target.engine)
         if state is None:
             return admission.decide(prompt_tokens, max_tokens, priority, None, profile, False)
-        return admission.decide(prompt_tokens, max_tokens, priority, state.window.latest_engine, profile,
-                                state.forecast.time_to_limit_s == 0.0)
+        return admission.decide(
+            prompt_tokens,
+            max_tokens,
+            priority,
+            state.window.latest_engine,
+            profile,
+            state.forecast.time_to_limit_s == 0.0,
+        )
 
     def explain(self, target: Target) -> Explanation | None:
         state = self._states.get(target.key)
@@ -421,11 +467,16 @@ class DecisionEngine:
             latched_rules=tuple(state.latched),
         )
 
+    def forecast_of(self, target: Target) -> Forecast | None:
+        state = self._states.get(target.key)
+        return None if state is None else state.forecast
+
     def targets(self) -> list[Target]:
         return [s.target for s in self._states.values()]
 
-    def evaluate(self, samples: Iterable[Sample], ooms: Iterable[OomEvent] = (),
-                 target: Target | None = None) -> EvaluateResult:
+    def evaluate(
+        self, samples: Iterable[Sample], ooms: Iterable[OomEvent] = (), target: Target | None = None
+    ) -> EvaluateResult:
         """What-if: replay the given window through a fresh engine; this engine is not touched."""
         from sits.runtime.clock import ManualClock
 
@@ -449,8 +500,9 @@ class DecisionEngine:
             return EvaluateResult(EMPTY_FORECAST, NO_ROOT_CAUSE, tuple(commands))
         root_cause = explanation.root_cause
         if root_cause is NO_ROOT_CAUSE and explanation.window:
-            root_cause = classify(explanation.window, kv_bytes_per_token=self._bytes_per_token(
-                replay._states[key_target.key]))
+            root_cause = classify(
+                explanation.window, kv_bytes_per_token=self._bytes_per_token(replay._states[key_target.key])
+            )
         return EvaluateResult(explanation.forecast, root_cause, tuple(commands))
 
 

@@ -114,9 +114,16 @@ class Trend:
 class EnvelopeTrend:
     """Bucketed upper envelope of one series (values in [0, ~1]) with its fitted trend."""
 
-    def __init__(self, bucket_s: float = 0.5, window_s: float = 60.0, short_buckets: int = 8,
-                 min_buckets: int = 4, min_t: float = 4.0, new_high_margin: float = 0.002,
-                 min_history_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        bucket_s: float = 0.5,
+        window_s: float = 60.0,
+        short_buckets: int = 8,
+        min_buckets: int = 4,
+        min_t: float = 4.0,
+        new_high_margin: float = 0.002,
+        min_history_s: float = 0.0,
+    ) -> None:
         if bucket_s <= 0 or window_s < bucket_s * min_buckets:
             raise ValueError("the window must hold at least min_buckets buckets")
         self.bucket_s = bucket_s
@@ -183,21 +190,25 @@ class EnvelopeTrend:
             lower = max(0.0, long_fit.slope - 2.0 * long_fit.slope_se)
             best = Trend(long_fit.slope, lower, _confidence(long_t, n, self.min_buckets), envelope, "long")
         if n > self.short_buckets:
-            noise = difference_noise(ys[-(LONG_FIT_POINTS + 1):])
-            previous_high = max(ys[:-self.short_buckets // 2])
+            noise = difference_noise(ys[-(LONG_FIT_POINTS + 1) :])
+            previous_high = max(ys[: -self.short_buckets // 2])
             margin = max(self.new_high_margin, 3.0 * noise)
             if envelope >= previous_high + margin:
-                short = fit_line(ts[-self.short_buckets:], ys[-self.short_buckets:], noise_sd=noise)
+                short = fit_line(ts[-self.short_buckets :], ys[-self.short_buckets :], noise_sd=noise)
                 # A step up is steep across the short window but flat at its end; a ramp is
                 # still climbing in the last half.
-                tail = fit_line(ts[-(self.short_buckets // 2):], ys[-(self.short_buckets // 2):])
+                tail = fit_line(ts[-(self.short_buckets // 2) :], ys[-(self.short_buckets // 2) :])
                 still_rising = tail is not None and short is not None and tail.slope >= 0.5 * short.slope
                 if short is not None and still_rising and short.t_stat() >= self.min_t:
                     lower = max(0.0, short.slope - 2.0 * short.slope_se)
                     if lower > best.slope_lower:
-                        best = Trend(short.slope, lower,
-                                     _confidence(short.t_stat(), short.points, self.min_buckets),
-                                     envelope, "short")
+                        best = Trend(
+                            short.slope,
+                            lower,
+                            _confidence(short.t_stat(), short.points, self.min_buckets),
+                            envelope,
+                            "short",
+                        )
         history = self._ts[-1] - self._ts[0] + self.bucket_s
         return replace(best, history_s=history, young=history < self.min_history_s)
 
@@ -210,7 +221,7 @@ def _pooled(ts: list[float], ys: list[float], points: int) -> tuple[list[float],
     group = -(-n // points)
     start = n % group
     pooled_ts = [ts[i + group - 1] for i in range(start, n, group)]
-    pooled_ys = [max(ys[i:i + group]) for i in range(start, n, group)]
+    pooled_ys = [max(ys[i : i + group]) for i in range(start, n, group)]
     return pooled_ts, pooled_ys
 
 

@@ -62,8 +62,15 @@ class ModelShape:
     attention_bias: bool = False
 
     def __post_init__(self) -> None:
-        for field_name in ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                           "num_kv_heads", "head_dim", "vocab_size"):
+        for field_name in (
+            "num_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+        ):
             if getattr(self, field_name) <= 0:
                 raise ValueError(f"{field_name} must be positive, got {getattr(self, field_name)}")
         if self.num_attention_heads % self.num_kv_heads:
@@ -120,8 +127,9 @@ class ModelShape:
         return chunk_tokens * per_token * act_dtype_bytes + logits
 
 
-def collective_buffer_bytes(tp: int, buffsize: int = DEFAULT_NCCL_BUFFSIZE,
-                            channels: int = DEFAULT_NCCL_CHANNELS) -> int:
+def collective_buffer_bytes(
+    tp: int, buffsize: int = DEFAULT_NCCL_BUFFSIZE, channels: int = DEFAULT_NCCL_CHANNELS
+) -> int:
     """NCCL buffers per rank: send and receive buffers per channel per peer.
 
     An estimate (NCCL_BUFFSIZE × channels × peers × 2) until measured on two GPUs.

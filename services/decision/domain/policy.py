@@ -93,11 +93,18 @@ class Conditions(_Strict):
     def _something(self) -> Conditions:
         if not self.on_oom and all(
             getattr(self, name) is None
-            for name in ("memory_fraction_above", "time_to_limit_below_s", "kv_usage_above",
-                         "fragmentation_above", "root_cause_in")
+            for name in (
+                "memory_fraction_above",
+                "time_to_limit_below_s",
+                "kv_usage_above",
+                "fragmentation_above",
+                "root_cause_in",
+            )
         ):
-            raise ValueError("a rule needs at least one condition (on_oom, memory_fraction_above, "
-                             "time_to_limit_below_s, kv_usage_above, fragmentation_above, root_cause_in)")
+            raise ValueError(
+                "a rule needs at least one condition (on_oom, memory_fraction_above, "
+                "time_to_limit_below_s, kv_usage_above, fragmentation_above, root_cause_in)"
+            )
         return self
 
 
@@ -118,9 +125,16 @@ class SetEngineLimits(_Action):
     def _one_limit(self) -> SetEngineLimits:
         if self.max_num_running_reqs is not None and self.max_num_running_reqs_factor is not None:
             raise ValueError("give max_num_running_reqs or max_num_running_reqs_factor, not both")
-        if all(v is None for v in (self.max_num_running_reqs, self.max_num_running_reqs_factor,
-                                    self.max_num_scheduled_tokens, self.max_prefill_chunk_tokens,
-                                    self.admission_paused)):
+        if all(
+            v is None
+            for v in (
+                self.max_num_running_reqs,
+                self.max_num_running_reqs_factor,
+                self.max_num_scheduled_tokens,
+                self.max_prefill_chunk_tokens,
+                self.admission_paused,
+            )
+        ):
             raise ValueError("SET_ENGINE_LIMITS needs at least one limit")
         return self
 
@@ -172,8 +186,14 @@ class MigRebalance(_Action):
 
 
 Action = Annotated[
-    SetEngineLimits | ShedPriority | SetPressure | FlushCache | AbortLowPriority | PauseAdmission
-    | ResumeAdmission | MigRebalance,
+    SetEngineLimits
+    | ShedPriority
+    | SetPressure
+    | FlushCache
+    | AbortLowPriority
+    | PauseAdmission
+    | ResumeAdmission
+    | MigRebalance,
     Field(discriminator="kind"),
 ]
 
@@ -303,7 +323,7 @@ def parse_policy(text: str, version: int = 1) -> Policy:
         for error in errors:
             loc = tuple(error["loc"])
             # A list emptied by its own bad items says nothing the item errors do not.
-            if error["type"] == "too_short" and any(len(o) > len(loc) and o[:len(loc)] == loc for o in locs):
+            if error["type"] == "too_short" and any(len(o) > len(loc) and o[: len(loc)] == loc for o in locs):
                 continue
             shown = ".".join(str(p) for p in loc if not (isinstance(p, str) and p.isupper()))
             problems.append(PolicyProblem(shown, _line_of(root, loc), error["msg"]))

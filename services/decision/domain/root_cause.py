@@ -104,8 +104,9 @@ def _allocated(s: Sample) -> float | None:
     return _target_process(s) if s.processes else _used(s)
 
 
-def classify(samples: Sequence[Sample], *, kv_bytes_per_token: int | None = None,
-             oom_allocator: AllocatorStats | None = None) -> RootCause:
+def classify(
+    samples: Sequence[Sample], *, kv_bytes_per_token: int | None = None, oom_allocator: AllocatorStats | None = None
+) -> RootCause:
     points = _decimate(samples)
     if len(points) < 3:
         return NO_ROOT_CAUSE
@@ -128,8 +129,7 @@ def classify(samples: Sequence[Sample], *, kv_bytes_per_token: int | None = None
     return best
 
 
-def _kv_growth(points: Sequence[Sample], kv_bytes_per_token: int | None, used_growth: float,
-               floor: float) -> RootCause:
+def _kv_growth(points: Sequence[Sample], kv_bytes_per_token: int | None, used_growth: float, floor: float) -> RootCause:
     tokens = _series(points, _tokens)
     kv = _series(points, _kv_usage)
     score = 0.0
@@ -137,18 +137,19 @@ def _kv_growth(points: Sequence[Sample], kv_bytes_per_token: int | None, used_gr
     if tokens is not None and tokens.delta >= 256:
         ratio = tokens.delta / max(tokens.early, 1.0)
         score = max(score, _clamp(ratio))
-        evidence.append(Evidence("tokens_in_flight_rise", tokens.delta,
-                                 f"tokens in flight {tokens.early:.0f} -> {tokens.late:.0f}"))
+        evidence.append(
+            Evidence("tokens_in_flight_rise", tokens.delta, f"tokens in flight {tokens.early:.0f} -> {tokens.late:.0f}")
+        )
         if kv_bytes_per_token:
             kv_bytes = tokens.delta * kv_bytes_per_token
-            evidence.append(Evidence("kv_bytes_rise", kv_bytes,
-                                     f"{kv_bytes / GIB:.2f} GiB more KV at {kv_bytes_per_token} B/token"))
+            evidence.append(
+                Evidence("kv_bytes_rise", kv_bytes, f"{kv_bytes / GIB:.2f} GiB more KV at {kv_bytes_per_token} B/token")
+            )
             if used_growth >= floor:
                 score = max(score, _clamp(kv_bytes / used_growth))
     if kv is not None and kv.delta >= 0.05:
         score = max(score, _clamp(kv.delta / 0.3))
-        evidence.append(Evidence("kv_cache_usage_rise", kv.delta,
-                                 f"KV cache usage {kv.early:.0%} -> {kv.late:.0%}"))
+        evidence.append(Evidence("kv_cache_usage_rise", kv.delta, f"KV cache usage {kv.early:.0%} -> {kv.late:.0%}"))
     return RootCause(RootCauseKind.LONG_CONTEXT_KV_GROWTH, round(score, 4), tuple(evidence))
 
 
@@ -161,8 +162,8 @@ def _adapter_leak(points: Sequence[Sample], total: int) -> RootCause:
     if most == 0 or now >= most:
         return RootCause(RootCauseKind.ADAPTER_LEAK, 0.0)
     peak_index = max(i for i, a in adapters if a == most)
-    at_peak = _series(points[max(0, peak_index - 4):peak_index + 1], _allocated)
-    after = _series(points[peak_index + 1:], _allocated)
+    at_peak = _series(points[max(0, peak_index - 4) : peak_index + 1], _allocated)
+    after = _series(points[peak_index + 1 :], _allocated)
     if at_peak is None or after is None:
         return RootCause(RootCauseKind.ADAPTER_LEAK, 0.0)
     kept = after.late - at_peak.late
@@ -173,8 +174,11 @@ def _adapter_leak(points: Sequence[Sample], total: int) -> RootCause:
     score = _clamp(0.6 + 0.4 * unloaded / most)
     evidence = (
         Evidence("adapters_unloaded", unloaded, f"LoRA adapters {most} -> {now}"),
-        Evidence("memory_not_returned_bytes", at_peak.late + kept,
-                 f"memory {at_peak.late / GIB:.2f} GiB at {most} adapters, {after.late / GIB:.2f} GiB after unload"),
+        Evidence(
+            "memory_not_returned_bytes",
+            at_peak.late + kept,
+            f"memory {at_peak.late / GIB:.2f} GiB at {most} adapters, {after.late / GIB:.2f} GiB after unload",
+        ),
     )
     return RootCause(RootCauseKind.ADAPTER_LEAK, round(score, 4), evidence)
 
@@ -185,9 +189,11 @@ def _collective_growth(points: Sequence[Sample], used_growth: float, floor: floa
         return RootCause(RootCauseKind.COLLECTIVE_BUFFER_GROWTH, 0.0)
     score = _clamp(outside.delta / max(used_growth, outside.delta))
     evidence = (
-        Evidence("outside_allocator_rise_bytes", outside.delta,
-                 f"NVML process memory minus allocator reserved {outside.early / GIB:.2f} -> "
-                 f"{outside.late / GIB:.2f} GiB"),
+        Evidence(
+            "outside_allocator_rise_bytes",
+            outside.delta,
+            f"NVML process memory minus allocator reserved {outside.early / GIB:.2f} -> {outside.late / GIB:.2f} GiB",
+        ),
     )
     return RootCause(RootCauseKind.COLLECTIVE_BUFFER_GROWTH, round(score, 4), evidence)
 
@@ -198,12 +204,13 @@ def _fragmentation(points: Sequence[Sample], total: int, oom_allocator: Allocato
         stats.append(oom_allocator)
     if not stats:
         return RootCause(RootCauseKind.FRAGMENTATION, 0.0)
-    recent = stats[-max(1, len(stats) // 3):]
+    recent = stats[-max(1, len(stats) // 3) :]
     latest = recent[-1]
     if latest.reserved_bytes <= 0:
         return RootCause(RootCauseKind.FRAGMENTATION, 0.0)
-    slack = statistics.median((a.reserved_bytes - a.allocated_bytes) / a.reserved_bytes
-                              for a in recent if a.reserved_bytes > 0)
+    slack = statistics.median(
+        (a.reserved_bytes - a.allocated_bytes) / a.reserved_bytes for a in recent if a.reserved_bytes > 0
+    )
     inactive = latest.inactive_split_bytes / latest.reserved_bytes
     allocated_fraction = latest.allocated_bytes / total
     if allocated_fraction > FAR_FROM_LIMIT:
@@ -214,8 +221,9 @@ def _fragmentation(points: Sequence[Sample], total: int, oom_allocator: Allocato
     score = _clamp(0.5 + (level - FRAGMENTATION_FLOOR) / 0.3)
     evidence = (
         Evidence("reserved_not_allocated_fraction", slack, f"{slack:.0%} of reserved memory is not allocated"),
-        Evidence("inactive_split_fraction", inactive,
-                 f"{latest.inactive_split_bytes / GIB:.2f} GiB in inactive splits"),
+        Evidence(
+            "inactive_split_fraction", inactive, f"{latest.inactive_split_bytes / GIB:.2f} GiB in inactive splits"
+        ),
         Evidence("allocated_fraction", allocated_fraction, f"allocated is {allocated_fraction:.0%} of the device"),
     )
     return RootCause(RootCauseKind.FRAGMENTATION, round(score, 4), evidence)
@@ -227,7 +235,10 @@ def _contention(points: Sequence[Sample], used_growth: float, floor: float) -> R
         return RootCause(RootCauseKind.MULTI_TENANT_CONTENTION, 0.0)
     score = _clamp(others.delta / max(used_growth, others.delta))
     evidence = (
-        Evidence("co_tenant_rise_bytes", others.delta,
-                 f"other processes on this GPU {others.early / GIB:.2f} -> {others.late / GIB:.2f} GiB"),
+        Evidence(
+            "co_tenant_rise_bytes",
+            others.delta,
+            f"other processes on this GPU {others.early / GIB:.2f} -> {others.late / GIB:.2f} GiB",
+        ),
     )
     return RootCause(RootCauseKind.MULTI_TENANT_CONTENTION, round(score, 4), evidence)

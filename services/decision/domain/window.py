@@ -64,10 +64,15 @@ def check_values(sample: Sample) -> DropReason | None:
     if gpu is not None:
         if gpu.total_bytes == 0:
             return DropReason.MISSING_FIELDS
-        if (_bad_bytes(gpu.total_bytes) or _bad_bytes(gpu.used_bytes) or gpu.used_bytes > gpu.total_bytes
-                or _bad_bytes(gpu.reserved_bytes) or _bad_bytes(gpu.free_bytes)
-                or gpu.free_bytes > gpu.total_bytes
-                or not (math.isfinite(gpu.utilization_pct) and 0.0 <= gpu.utilization_pct <= 100.0)):
+        if (
+            _bad_bytes(gpu.total_bytes)
+            or _bad_bytes(gpu.used_bytes)
+            or gpu.used_bytes > gpu.total_bytes
+            or _bad_bytes(gpu.reserved_bytes)
+            or _bad_bytes(gpu.free_bytes)
+            or gpu.free_bytes > gpu.total_bytes
+            or not (math.isfinite(gpu.utilization_pct) and 0.0 <= gpu.utilization_pct <= 100.0)
+        ):
             return DropReason.ABSURD_VALUE
         for proc in sample.processes:
             if _bad_bytes(proc.used_bytes) or proc.used_bytes > gpu.total_bytes:
@@ -84,18 +89,30 @@ def check_values(sample: Sample) -> DropReason | None:
 def _bad_engine(engine: EngineLoad) -> bool:
     if not (math.isfinite(engine.kv_cache_usage) and 0.0 <= engine.kv_cache_usage <= 1.0):
         return True
-    counts = (engine.num_requests_running, engine.num_requests_waiting, engine.num_preemptions,
-              engine.admission_rejections, engine.tokens_in_flight, engine.kv_blocks_total,
-              engine.kv_blocks_used, engine.block_size, engine.lora_adapters_loaded)
+    counts = (
+        engine.num_requests_running,
+        engine.num_requests_waiting,
+        engine.num_preemptions,
+        engine.admission_rejections,
+        engine.tokens_in_flight,
+        engine.kv_blocks_total,
+        engine.kv_blocks_used,
+        engine.block_size,
+        engine.lora_adapters_loaded,
+    )
     if any(_bad_count(c) for c in counts):
         return True
     return engine.kv_blocks_total > 0 and engine.kv_blocks_used > engine.kv_blocks_total
 
 
 def _bad_allocator(allocator: AllocatorStats, gpu: GpuMemory | None) -> bool:
-    if (_bad_bytes(allocator.allocated_bytes) or _bad_bytes(allocator.reserved_bytes)
-            or _bad_bytes(allocator.inactive_split_bytes) or _bad_count(allocator.alloc_retries)
-            or _bad_count(allocator.num_ooms)):
+    if (
+        _bad_bytes(allocator.allocated_bytes)
+        or _bad_bytes(allocator.reserved_bytes)
+        or _bad_bytes(allocator.inactive_split_bytes)
+        or _bad_count(allocator.alloc_retries)
+        or _bad_count(allocator.num_ooms)
+    ):
         return True
     # The caching allocator never hands out more than it has reserved.
     if allocator.allocated_bytes > allocator.reserved_bytes:
@@ -106,8 +123,15 @@ def _bad_allocator(allocator: AllocatorStats, gpu: GpuMemory | None) -> bool:
 class TargetWindow:
     """Recent accepted samples of one target, the latest state of each source, and the trends."""
 
-    def __init__(self, max_samples: int = 1200, max_age_s: float = 120.0, bucket_s: float = 0.5,
-                 trend_window_s: float = 60.0, min_history_s: float = 0.0, dedup_ids: int = 4096) -> None:
+    def __init__(
+        self,
+        max_samples: int = 1200,
+        max_age_s: float = 120.0,
+        bucket_s: float = 0.5,
+        trend_window_s: float = 60.0,
+        min_history_s: float = 0.0,
+        dedup_ids: int = 4096,
+    ) -> None:
         if max_samples <= 0 or max_age_s <= 0:
             raise ValueError("a window needs a positive size and age")
         self.max_age_s = max_age_s

@@ -1,0 +1,42 @@
+"""The decision service's Prometheus metrics (names are the contract in deploy/METRICS.md)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.decision.domain.types import Forecast, Target
+
+TARGET_LABELS = ("host", "gpu", "mig_instance", "engine", "tenant")
+
+DECISION_SECONDS = Histogram(
+    "sits_decision_seconds",
+    "Time the domain takes to decide on one sample or OOM event.",
+    buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05),
+)
+COMMANDS = Counter("sits_commands_total", "Healing commands issued, by action kind and policy rule.", ["kind", "rule"])
+PREDICTED_FRACTION = Gauge(
+    "sits_forecast_predicted_fraction",
+    "Memory fraction the forecast expects at the policy horizon.",
+    [*TARGET_LABELS, "horizon_seconds"],
+)
+TIME_TO_OOM = Gauge(
+    "sits_forecast_time_to_oom_seconds",
+    "Seconds until memory reaches the policy limit at the current trend (+Inf when it does not).",
+    TARGET_LABELS,
+)
+DROPPED_SAMPLES = Counter(
+    "sits_decision_dropped_samples_total", "Samples refused by the window, by reason.", ["reason"]
+)
+
+
+def export_forecast(target: Target, forecast: Forecast, horizon_s: float) -> None:
+    labels = {
+        "host": target.host,
+        "gpu": target.gpu_uuid,
+        "mig_instance": target.mig_instance,
+        "engine": target.engine,
+        "tenant": target.engine,
+    }
+    PREDICTED_FRACTION.labels(**labels, horizon_seconds=f"{horizon_s:g}").set(forecast.predicted_fraction)
+    tto = forecast.time_to_limit_s
+    TIME_TO_OOM.labels(**labels).set(float("inf") if tto is None else tto)
