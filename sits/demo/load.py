@@ -61,8 +61,12 @@ def ramp(base_rps: float, peak_factor: float, ramp_s: float, hold_s: float) -> C
     return rate
 
 
-def generate_request(prompt_tokens: int, max_tokens: int, vocab: int = 512) -> vllm_engine_pb2.GenerateRequest:
-    request = vllm_engine_pb2.GenerateRequest(request_id=uuid.uuid4().hex, stream=True)
+def generate_request(
+    prompt_tokens: int, max_tokens: int, priority: str = "P1", vocab: int = 512
+) -> vllm_engine_pb2.GenerateRequest:
+    # vLLM's gRPC server does not pass call metadata into the engine: the tier also travels in the
+    # request id, which is how the SITS scheduler picks what to preempt or abort first.
+    request = vllm_engine_pb2.GenerateRequest(request_id=f"{priority.lower()}-{uuid.uuid4().hex}", stream=True)
     request.tokenized.input_ids.extend(random.randrange(1, vocab) for _ in range(prompt_tokens))
     request.sampling_params.max_tokens = max_tokens
     request.sampling_params.temperature = 0.0
@@ -82,7 +86,7 @@ async def one_request(
     ttft: float | None = None
     tokens = 0
     call = stub.Generate(
-        generate_request(prompt_tokens, max_tokens),
+        generate_request(prompt_tokens, max_tokens, priority),
         metadata=((PRIORITY_HEADER, priority), *extra_metadata),
         timeout=timeout_s,
     )

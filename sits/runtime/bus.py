@@ -194,6 +194,7 @@ class EventConsumer:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             max_poll_records=settings.consumer_max_batch,
+            fetch_max_wait_ms=settings.consumer_fetch_max_wait_ms,
             # Tansu starts a group quickly; the default 3 s join delay would dominate tests.
             session_timeout_ms=10_000,
             heartbeat_interval_ms=1_000,

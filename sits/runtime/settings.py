@@ -42,6 +42,13 @@ class Settings(BaseSettings):
     consumer_max_batch: int = Field(
         500, ge=1, le=100_000, description="Most records one consumer handles per poll; bounds its memory."
     )
+    consumer_fetch_max_wait_ms: int = Field(
+        10,
+        ge=1,
+        le=5000,
+        description="How long a fetch may wait for data. Tansu answers only when this wait ends, so it bounds "
+        "reaction time.",
+    )
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for leases, idempotency and state.")
     host_name: str = Field(default_factory=socket.gethostname, description="This host's name in event targets.")
     grpc_bind: str = Field("127.0.0.1", description="Address the gRPC servers listen on.")

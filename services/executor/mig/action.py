@@ -32,9 +32,15 @@ class MigRebalanceRefused(Exception):
         self.before_json = before_json
 
 
-def rebalance(current_layout: MigLayout, tenant_bytes: Mapping[str, int], applier: MigApplier,
-              dry_run: bool, *, drain: Drainer | None = None,
-              move_unlisted: bool = False) -> tuple[str, str, list[dict[str, Any]]]:
+def rebalance(
+    current_layout: MigLayout,
+    tenant_bytes: Mapping[str, int],
+    applier: MigApplier,
+    dry_run: bool,
+    *,
+    drain: Drainer | None = None,
+    move_unlisted: bool = False,
+) -> tuple[str, str, list[dict[str, Any]]]:
     """Plan the smallest change for `tenant_bytes`; apply it unless `dry_run`.
 
     Returns (before_json, after_json, steps): the layouts as compact JSON text and one JSON-ready dict
@@ -46,15 +52,17 @@ def rebalance(current_layout: MigLayout, tenant_bytes: Mapping[str, int], applie
     return _carry_out(current_layout, result, applier, dry_run, drain)
 
 
-def restore(current_layout: MigLayout, before_json: str, applier: MigApplier, dry_run: bool, *,
-            drain: Drainer | None = None) -> tuple[str, str, list[dict[str, Any]]]:
+def restore(
+    current_layout: MigLayout, before_json: str, applier: MigApplier, dry_run: bool, *, drain: Drainer | None = None
+) -> tuple[str, str, list[dict[str, Any]]]:
     """Roll a MigRebalance back: return to the layout recorded in ActionState.mig_layout_json."""
     target = MigLayout.from_json(json.loads(before_json))
     return _carry_out(current_layout, plan_to_layout(current_layout, target), applier, dry_run, drain)
 
 
-def _carry_out(current_layout: MigLayout, result: MigPlan | MigRefusal, applier: MigApplier,
-               dry_run: bool, drain: Drainer | None) -> tuple[str, str, list[dict[str, Any]]]:
+def _carry_out(
+    current_layout: MigLayout, result: MigPlan | MigRefusal, applier: MigApplier, dry_run: bool, drain: Drainer | None
+) -> tuple[str, str, list[dict[str, Any]]]:
     before_json = current_layout.to_json_text()
     model = current_layout.model
     if isinstance(result, MigRefusal):
@@ -66,13 +74,12 @@ def _carry_out(current_layout: MigLayout, result: MigPlan | MigRefusal, applier:
         return before_json, before_json, steps
     if not applier.applies:
         raise MigRebalanceRefused(
-            (f"the command asks to apply a MIG change but {APPLY_SETTING} is off on this executor",),
-            before_json)
+            (f"the command asks to apply a MIG change but {APPLY_SETTING} is off on this executor",), before_json
+        )
 
     drains = [s for s in plan.steps if s.action == "drain"]
     if drains and drain is None:
-        raise MigRebalanceRefused(("the plan drains instances but the executor gave no drainer",),
-                                  before_json)
+        raise MigRebalanceRefused(("the plan drains instances but the executor gave no drainer",), before_json)
     try:
         applier.preflight(plan)  # refuse before draining anyone for nothing
     except MigApplyRefused as exc:

@@ -36,17 +36,33 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add the `plan` and `profiles` subcommands to the `mig` parser."""
     commands = parser.add_subparsers(dest="mig_command", required=True, metavar="{plan,profiles}")
     plan = commands.add_parser("plan", help="plan the smallest MIG change that fits every tenant's memory")
-    plan.add_argument("--gpu", default="h200-141gb", choices=sorted(GPU_MODELS),
-                      help="GPU model whose profile table applies (default: h200-141gb)")
+    plan.add_argument(
+        "--gpu",
+        default="h200-141gb",
+        choices=sorted(GPU_MODELS),
+        help="GPU model whose profile table applies (default: h200-141gb)",
+    )
     source = plan.add_mutually_exclusive_group()
-    source.add_argument("--current", default="",
-                        help="current layout as PROFILE@START[:TENANT],... e.g. '3g.71gb@0:tenantA,1g.18gb@4'")
-    source.add_argument("--current-file", type=Path,
-                        help="current layout as a JSON or YAML file: {gpu, instances: [{profile, start, tenant}]}")
-    plan.add_argument("--need", action="append", default=[], metavar="TENANT=SIZE",
-                      help="memory a tenant needs, e.g. tenantA=60GiB (repeatable; 0 releases the tenant)")
-    plan.add_argument("--move-unlisted", action="store_true",
-                      help="allow moving tenants that have no --need (same profile) to make room")
+    source.add_argument(
+        "--current", default="", help="current layout as PROFILE@START[:TENANT],... e.g. '3g.71gb@0:tenantA,1g.18gb@4'"
+    )
+    source.add_argument(
+        "--current-file",
+        type=Path,
+        help="current layout as a JSON or YAML file: {gpu, instances: [{profile, start, tenant}]}",
+    )
+    plan.add_argument(
+        "--need",
+        action="append",
+        default=[],
+        metavar="TENANT=SIZE",
+        help="memory a tenant needs, e.g. tenantA=60GiB (repeatable; 0 releases the tenant)",
+    )
+    plan.add_argument(
+        "--move-unlisted",
+        action="store_true",
+        help="allow moving tenants that have no --need (same profile) to make room",
+    )
     plan.add_argument("--json", action="store_true", help="print the plan or refusal as JSON")
     profiles = commands.add_parser("profiles", help="show the built-in MIG profile table of a GPU model")
     profiles.add_argument("--gpu", default="h200-141gb", choices=sorted(GPU_MODELS))
@@ -128,8 +144,9 @@ def _print_human(result: MigPlan | MigRefusal) -> None:
         steps.add_column(column)
     for number, step in enumerate(result.steps, start=1):
         instance = step.instance
-        steps.add_row(str(number), step.action, f"{instance.profile}@{instance.start}",
-                      instance.tenant or "", step.reason)
+        steps.add_row(
+            str(number), step.action, f"{instance.profile}@{instance.start}", instance.tenant or "", step.reason
+        )
     console.print(steps)
     kept = ", ".join(i.label() for i in result.kept) or "none"
     console.print(f"untouched: {kept}")
@@ -144,14 +161,23 @@ def _run_profiles(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"MIG profiles on {model.key} (memory slices {model.memory_slices}, "
-                        f"compute slices {model.compute_slices})")
+    table = Table(
+        title=f"MIG profiles on {model.key} (memory slices {model.memory_slices}, "
+        f"compute slices {model.compute_slices})"
+    )
     for column in ("profile", "id", "compute", "memory slices", "MiB", "max", "starts"):
         table.add_column(column)
     for row in rows:
         starts = "{" + ",".join(str(p["start"]) for p in row["placements"]) + "}"
-        table.add_row(row["name"], str(row["profile_id"]), str(row["compute_slices"]),
-                      str(row["memory_slices"]), str(row["memory_mib"]), str(row["max_instances"]), starts)
+        table.add_row(
+            row["name"],
+            str(row["profile_id"]),
+            str(row["compute_slices"]),
+            str(row["memory_slices"]),
+            str(row["memory_mib"]),
+            str(row["max_instances"]),
+            starts,
+        )
     Console().print(table)
     return EXIT_OK
 

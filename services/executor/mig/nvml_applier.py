@@ -118,8 +118,9 @@ class NvmlMigApplier:
             for gi in self._gpu_instances(handle, profile):
                 info = nvml.nvmlGpuInstanceGetInfo(gi)
                 start = int(info.placement.start)
-                instances.append(MigInstance(profile.name, start, tenant_at.get((profile.name, start)),
-                                             gi_id=int(info.id)))
+                instances.append(
+                    MigInstance(profile.name, start, tenant_at.get((profile.name, start)), gi_id=int(info.id))
+                )
         return MigLayout(self._model.key, tuple(instances)).sorted()
 
     def _gpu_instances(self, handle: Any, profile: MigProfile) -> list[Any]:
@@ -135,7 +136,8 @@ class NvmlMigApplier:
         if int(current) != int(self._nvml.NVML_DEVICE_MIG_ENABLE):
             raise MigApplyRefused(
                 f"MIG mode is off on GPU {self._device_index}; SITS never changes MIG mode, so a MIG plan "
-                "cannot be applied there (enable MIG in a maintenance window first)")
+                "cannot be applied there (enable MIG in a maintenance window first)"
+            )
 
     # ------------------------------------------------------------ executing
 
@@ -144,11 +146,14 @@ class NvmlMigApplier:
             return ApplyReport(
                 dry_run=True,
                 steps=tuple(AppliedStep(s, "planned") for s in plan.steps),
-                notes=(f"dry run: set {APPLY_SETTING}=1 to apply",))
+                notes=(f"dry run: set {APPLY_SETTING}=1 to apply",),
+            )
         missing = [t for t in plan.drained_tenants() if t not in set(drained_tenants)]
         if missing:
-            raise MigApplyRefused(f"tenants not drained yet: {', '.join(sorted(missing))}; "
-                                  "the executor drains every instance a plan touches before applying it")
+            raise MigApplyRefused(
+                f"tenants not drained yet: {', '.join(sorted(missing))}; "
+                "the executor drains every instance a plan touches before applying it"
+            )
         nvml = self._nvml
         nvml.nvmlInit()
         try:
@@ -161,7 +166,7 @@ class NvmlMigApplier:
                     done.append(self._run_step(handle, step, gi_at))
                 except nvml.NVMLError as exc:
                     done.append(AppliedStep(step, "failed", f"NVML: {exc}"))
-                    done.extend(AppliedStep(s, "not_run") for s in plan.steps[index + 1:])
+                    done.extend(AppliedStep(s, "not_run") for s in plan.steps[index + 1 :])
                     after = self._read_layout(handle, plan.target, plan.current)
                     report = ApplyReport(False, tuple(done), after)
                     raise MigApplyFailed(f"{step.action} {step.instance.label()} failed: {exc}", report) from exc
@@ -185,15 +190,17 @@ class NvmlMigApplier:
         device_name = str(nvml.nvmlDeviceGetName(handle))
         named_model = model_for_device_name(device_name)
         if named_model is not None and named_model.key != self._model.key:
-            raise MigApplyRefused(f"GPU {self._device_index} is {device_name!r} ({named_model.key}); "
-                                  f"the plan is for {self._model.key}")
+            raise MigApplyRefused(
+                f"GPU {self._device_index} is {device_name!r} ({named_model.key}); the plan is for {self._model.key}"
+            )
         self._require_mig_mode(handle)
         live = self._read_layout(handle, plan.current)
         if _places(live) != _places(plan.current):
             raise MigApplyRefused(
                 "the GPU's layout changed since the plan was made: "
                 f"now {[i.label() for i in live.instances]}, "
-                f"planned from {[i.label() for i in plan.current.sorted().instances]}")
+                f"planned from {[i.label() for i in plan.current.sorted().instances]}"
+            )
         return live
 
     def _run_step(self, handle: Any, step: PlanStep, gi_at: dict[tuple[str, int], int | None]) -> AppliedStep:
@@ -201,8 +208,9 @@ class NvmlMigApplier:
         if step.action == "drain":
             return AppliedStep(step, "done", "drained by the executor before the plan was applied")
         if step.action == "assign":
-            return AppliedStep(step, "done", "tenant label only; no NVML call",
-                               gi_id=gi_at.get((instance.profile, instance.start)))
+            return AppliedStep(
+                step, "done", "tenant label only; no NVML call", gi_id=gi_at.get((instance.profile, instance.start))
+            )
         if step.action == "destroy":
             gi_id = gi_at.pop((instance.profile, instance.start), None)
             if gi_id is None:
@@ -219,7 +227,8 @@ class NvmlMigApplier:
         for ci_profile in range(int(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT)):
             try:
                 info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gi, ci_profile, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+                    gi, ci_profile, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+                )
             except nvml.NVMLError:
                 continue  # this compute profile does not exist inside this GPU instance
             instances = (nvml.c_nvmlComputeInstance_t * max(1, int(info.instanceCount)))()
@@ -239,7 +248,8 @@ class NvmlMigApplier:
         gi_id = int(nvml.nvmlGpuInstanceGetInfo(gi).id)
         ci_profile = _CI_PROFILE_FOR_SLICES[profile.compute_slices]
         ci_info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-            gi, ci_profile, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+            gi, ci_profile, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+        )
         nvml.nvmlGpuInstanceCreateComputeInstance(gi, int(ci_info.id))
         return gi_id
 

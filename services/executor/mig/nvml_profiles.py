@@ -81,8 +81,9 @@ def read_profiles_from_nvml(nvml: Any, device_index: int = 0) -> dict[str, Any]:
                 if getattr(exc, "value", None) in _PROFILE_ABSENT_CODES:
                     report["absent_profiles"].append(index)
                 else:
-                    report["errors"].append({"call": "nvmlDeviceGetGpuInstanceProfileInfo",
-                                             "nvml_profile": index, **_error(exc)})
+                    report["errors"].append(
+                        {"call": "nvmlDeviceGetGpuInstanceProfileInfo", "nvml_profile": index, **_error(exc)}
+                    )
                 continue
             row: dict[str, Any] = {
                 "nvml_profile": index,
@@ -103,8 +104,9 @@ def read_profiles_from_nvml(nvml: Any, device_index: int = 0) -> dict[str, Any]:
                 row["placements"] = read_possible_placements(nvml, handle, int(info.id))
             except nvml.NVMLError as exc:
                 row["placements"] = None
-                report["errors"].append({"call": "nvmlDeviceGetGpuInstancePossiblePlacements",
-                                         "profile_id": int(info.id), **_error(exc)})
+                report["errors"].append(
+                    {"call": "nvmlDeviceGetGpuInstancePossiblePlacements", "profile_id": int(info.id), **_error(exc)}
+                )
             report["profiles"].append(row)
         return report
     finally:

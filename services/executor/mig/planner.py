@@ -64,9 +64,12 @@ class MigInstance:
     def from_json(cls, row: Mapping[str, Any]) -> MigInstance:
         tenant = row.get("tenant")
         gi_id = row.get("gi_id")
-        return cls(profile=str(row["profile"]), start=int(row["start"]),
-                   tenant=None if tenant in (None, "") else str(tenant),
-                   gi_id=None if gi_id is None else int(gi_id))
+        return cls(
+            profile=str(row["profile"]),
+            start=int(row["start"]),
+            tenant=None if tenant in (None, "") else str(tenant),
+            gi_id=None if gi_id is None else int(gi_id),
+        )
 
 
 @dataclass(frozen=True)
@@ -91,16 +94,16 @@ class MigLayout:
 
     def to_json(self) -> dict[str, Any]:
         model = self.model
-        return {"gpu": self.gpu,
-                "instances": [i.to_json(model) for i in self.sorted().instances]}
+        return {"gpu": self.gpu, "instances": [i.to_json(model) for i in self.sorted().instances]}
 
     def to_json_text(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> MigLayout:
-        return cls(gpu=str(data["gpu"]),
-                   instances=tuple(MigInstance.from_json(row) for row in data.get("instances", ())))
+        return cls(
+            gpu=str(data["gpu"]), instances=tuple(MigInstance.from_json(row) for row in data.get("instances", ()))
+        )
 
 
 @dataclass(frozen=True)
@@ -171,8 +174,10 @@ def validate_layout(layout: MigLayout) -> list[str]:
         if instance.tenant is not None:
             tenants[instance.tenant] += 1
         if instance.start not in profile.starts:
-            problems.append(f"{instance.label()}: {profile.name} may start only at memory slice "
-                            f"{_slots(profile.starts)}, not {instance.start}")
+            problems.append(
+                f"{instance.label()}: {profile.name} may start only at memory slice "
+                f"{_slots(profile.starts)}, not {instance.start}"
+            )
             continue
         for memory_slice in profile.slices_at(instance.start):
             other = owner_of_slice.get(memory_slice)
@@ -213,6 +218,7 @@ def smallest_fitting_profile(model: GpuModel, need_bytes: int) -> MigProfile | N
 
 # ------------------------------------------------------------------ search
 
+
 @dataclass(frozen=True)
 class _Option:
     """One way to serve one tenant in the target layout."""
@@ -242,8 +248,9 @@ class _Best:
     destroyed_idle: tuple[MigInstance, ...] = ()
 
 
-def plan_rebalance(current: MigLayout, needs: Mapping[str, int], *,
-                   move_unlisted: bool = False) -> MigPlan | MigRefusal:
+def plan_rebalance(
+    current: MigLayout, needs: Mapping[str, int], *, move_unlisted: bool = False
+) -> MigPlan | MigRefusal:
     """The smallest change that gives every tenant in `needs` an instance holding its memory."""
     try:
         model = current.model
@@ -278,12 +285,14 @@ def _impossible_needs(model: GpuModel, needs: Mapping[str, int]) -> list[str]:
         if need > largest.memory_bytes:
             reasons.append(
                 f"tenant {tenant!r} needs {_gib(need)}, more than any {model.key} profile gives "
-                f"(largest: {largest.name} with {_gib(largest.memory_bytes)})")
+                f"(largest: {largest.name} with {_gib(largest.memory_bytes)})"
+            )
     return reasons
 
 
-def _build_tenants(model: GpuModel, current: MigLayout, needs: Mapping[str, int],
-                   move_unlisted: bool) -> tuple[list[_Tenant], list[MigInstance], list[MigInstance]]:
+def _build_tenants(
+    model: GpuModel, current: MigLayout, needs: Mapping[str, int], move_unlisted: bool
+) -> tuple[list[_Tenant], list[MigInstance], list[MigInstance]]:
     idle = [i for i in current.instances if i.tenant is None]
     released = [i for i in current.instances if i.tenant is not None and needs.get(i.tenant) == 0]
     tenants: list[_Tenant] = []
@@ -342,14 +351,20 @@ def _slice_budget_refusals(model: GpuModel, tenants: list[_Tenant], idle: list[M
         parts.append(f"{tenant.name} {cheapest.profile.name}")
     reasons = []
     if len(tenants) > model.compute_slices:
-        reasons.append(f"too many instances: {len(tenants)} tenants need one each; "
-                       f"{model.key} holds at most {model.compute_slices}")
+        reasons.append(
+            f"too many instances: {len(tenants)} tenants need one each; "
+            f"{model.key} holds at most {model.compute_slices}"
+        )
     if least_memory > model.memory_slices:
-        reasons.append(f"too many slices: the tenants need at least {least_memory} of {model.memory_slices} "
-                       f"memory slices ({', '.join(parts)})")
+        reasons.append(
+            f"too many slices: the tenants need at least {least_memory} of {model.memory_slices} "
+            f"memory slices ({', '.join(parts)})"
+        )
     if least_compute > model.compute_slices:
-        reasons.append(f"too many slices: the tenants need at least {least_compute} of "
-                       f"{model.compute_slices} compute slices ({', '.join(parts)})")
+        reasons.append(
+            f"too many slices: the tenants need at least {least_compute} of "
+            f"{model.compute_slices} compute slices ({', '.join(parts)})"
+        )
     return reasons
 
 
@@ -367,8 +382,13 @@ def _option_cost(option: _Option, tenant: _Tenant) -> _Cost:
     moved = tenant.current is not None and option.kind != "keep"
     changed_profile = moved and tenant.current is not None and option.profile.name != tenant.current.profile
     created = option.kind == "create"
-    return (int(moved), int(moved) + int(created), int(changed_profile),
-            option.profile.memory_slices if created else 0, option.profile.compute_slices if created else 0)
+    return (
+        int(moved),
+        int(moved) + int(created),
+        int(changed_profile),
+        option.profile.memory_slices if created else 0,
+        option.profile.compute_slices if created else 0,
+    )
 
 
 def _add(a: _Cost, b: _Cost) -> _Cost:
@@ -392,9 +412,9 @@ def _search(model: GpuModel, tenants: list[_Tenant], idle: list[MigInstance]) ->
     for tenant in tenants:
         tenant.options.sort(key=lambda o, t=tenant: (_option_cost(o, t), o.start))  # type: ignore[misc]
     # Most constrained first: fewer options and bigger instances prune the tree sooner.
-    order = sorted(tenants, key=lambda t: (len(t.options),
-                                           -max((o.profile.memory_slices for o in t.options), default=0),
-                                           t.name))
+    order = sorted(
+        tenants, key=lambda t: (len(t.options), -max((o.profile.memory_slices for o in t.options), default=0), t.name)
+    )
     # rest_bound[i]: the least the tenants order[i:] can add, part by part.
     rest_bound: list[_Cost] = [(0, 0, 0, 0, 0)] * (len(order) + 1)
     for i in range(len(order) - 1, -1, -1):
@@ -458,14 +478,17 @@ def _placement_refusal(model: GpuModel, tenants: list[_Tenant], move_unlisted: b
             wanted.append(f"{tenant.name} on {name} (starts {_slots(model.profile(name).starts)})")
     reason = "no valid placement: no combination of valid start slots fits " + "; ".join(wanted)
     if pinned:
-        reason += (" around the instances of tenants not in the request, which stay where they are: "
-                   + ", ".join(i.label() for i in pinned if i is not None)
-                   + " (allow moving them to search further)")
+        reason += (
+            " around the instances of tenants not in the request, which stay where they are: "
+            + ", ".join(i.label() for i in pinned if i is not None)
+            + " (allow moving them to search further)"
+        )
     return [reason]
 
 
-def _assemble_plan(model: GpuModel, current: MigLayout, tenants: list[_Tenant],
-                   released: list[MigInstance], best: _Best) -> MigPlan:
+def _assemble_plan(
+    model: GpuModel, current: MigLayout, tenants: list[_Tenant], released: list[MigInstance], best: _Best
+) -> MigPlan:
     assert best.choice is not None
     drains: list[PlanStep] = []
     destroys: list[PlanStep] = []
@@ -497,13 +520,18 @@ def _assemble_plan(model: GpuModel, current: MigLayout, tenants: list[_Tenant],
         if option.kind == "adopt":
             assert option.adopted is not None
             new = replace(option.adopted, tenant=tenant.name)
-            assigns.append(PlanStep("assign", new, f"idle {option.adopted.label()} holds {need_text} "
-                                                   f"for {tenant.name}"))
+            assigns.append(
+                PlanStep("assign", new, f"idle {option.adopted.label()} holds {need_text} for {tenant.name}")
+            )
         else:
             new = MigInstance(option.profile.name, option.start, tenant.name)
-            creates.append(PlanStep("create", new, f"{option.profile.name} "
-                                                   f"({_gib(option.profile.memory_bytes)}) holds "
-                                                   f"{need_text} for {tenant.name}"))
+            creates.append(
+                PlanStep(
+                    "create",
+                    new,
+                    f"{option.profile.name} ({_gib(option.profile.memory_bytes)}) holds {need_text} for {tenant.name}",
+                )
+            )
         target.append(new)
     destroyed_idle = {id(i) for i in best.destroyed_idle}
     adopted = {id(o.adopted) for o in best.choice.values() if o.adopted is not None}
@@ -517,10 +545,18 @@ def _assemble_plan(model: GpuModel, current: MigLayout, tenants: list[_Tenant],
             target.append(instance)
 
     by_start = lambda s: (s.instance.start, s.instance.profile)  # noqa: E731
-    steps = (sorted(drains, key=by_start) + sorted(destroys, key=by_start)
-             + sorted(creates, key=by_start) + sorted(assigns, key=by_start))
-    return MigPlan(current=current, target=MigLayout(current.gpu, tuple(target)).sorted(),
-                   steps=tuple(steps), kept=tuple(sorted(kept, key=lambda i: (i.start, i.profile))))
+    steps = (
+        sorted(drains, key=by_start)
+        + sorted(destroys, key=by_start)
+        + sorted(creates, key=by_start)
+        + sorted(assigns, key=by_start)
+    )
+    return MigPlan(
+        current=current,
+        target=MigLayout(current.gpu, tuple(target)).sorted(),
+        steps=tuple(steps),
+        kept=tuple(sorted(kept, key=lambda i: (i.start, i.profile))),
+    )
 
 
 def plan_to_layout(current: MigLayout, target: MigLayout) -> MigPlan | MigRefusal:
@@ -553,8 +589,12 @@ def plan_to_layout(current: MigLayout, target: MigLayout) -> MigPlan | MigRefusa
         if place not in present:
             creates.append(PlanStep("create", replace(goal, gi_id=None), "in the layout being restored"))
     target_instances = [*kept, *(s.instance for s in assigns), *(s.instance for s in creates)]
-    return MigPlan(current=current, target=MigLayout(current.gpu, tuple(target_instances)).sorted(),
-                   steps=(*drains, *destroys, *creates, *assigns), kept=tuple(kept))
+    return MigPlan(
+        current=current,
+        target=MigLayout(current.gpu, tuple(target_instances)).sorted(),
+        steps=(*drains, *destroys, *creates, *assigns),
+        kept=tuple(kept),
+    )
 
 
 def plan_to_json(result: MigPlan | MigRefusal) -> dict[str, Any]:
@@ -586,9 +626,22 @@ def layout_after_steps(current: MigLayout, steps: Iterable[PlanStep]) -> MigLayo
 
 def parse_size(text: str) -> int:
     """Bytes from '60GiB', '512MiB', '20GB', '1.5TiB' or a plain integer."""
-    units = {"": 1, "b": 1, "kib": 1 << 10, "mib": MIB, "gib": 1 << 30, "tib": 1 << 40,
-             "k": 1 << 10, "m": MIB, "g": 1 << 30, "t": 1 << 40,
-             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    units = {
+        "": 1,
+        "b": 1,
+        "kib": 1 << 10,
+        "mib": MIB,
+        "gib": 1 << 30,
+        "tib": 1 << 40,
+        "k": 1 << 10,
+        "m": MIB,
+        "g": 1 << 30,
+        "t": 1 << 40,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+    }
     raw = text.strip().replace("_", "")
     number_end = len(raw)
     while number_end > 0 and not (raw[number_end - 1].isdigit() or raw[number_end - 1] == "."):

@@ -98,14 +98,19 @@ _ALL_STARTS_1 = (0, 1, 2, 3, 4, 5, 6)
 
 
 def _standard_profiles(
-    one: tuple[str, int], one_double: tuple[str, int], two: tuple[str, int],
-    three: tuple[str, int], four: tuple[str, int], seven: tuple[str, int],
+    one: tuple[str, int],
+    one_double: tuple[str, int],
+    two: tuple[str, int],
+    three: tuple[str, int],
+    four: tuple[str, int],
+    seven: tuple[str, int],
 ) -> tuple[MigProfile, ...]:
     """The seven profiles every 7-compute/8-memory-slice card has; only names and memory differ."""
     return (
         MigProfile(one[0], NVML_PROFILE_1_SLICE, 19, 1, 1, one[1], 7, _ALL_STARTS_1),
-        MigProfile(f"{one[0]}+me", NVML_PROFILE_1_SLICE_REV1, 20, 1, 1, one[1], 1, _ALL_STARTS_1,
-                   media_extensions=True),
+        MigProfile(
+            f"{one[0]}+me", NVML_PROFILE_1_SLICE_REV1, 20, 1, 1, one[1], 1, _ALL_STARTS_1, media_extensions=True
+        ),
         MigProfile(one_double[0], NVML_PROFILE_1_SLICE_REV2, 15, 1, 2, one_double[1], 4, (0, 2, 4, 6)),
         MigProfile(two[0], NVML_PROFILE_2_SLICE, 14, 2, 2, two[1], 3, (0, 2, 4)),
         MigProfile(three[0], NVML_PROFILE_3_SLICE, 9, 3, 4, three[1], 2, (0, 4)),
@@ -119,26 +124,50 @@ A100_40GB = GpuModel(
     name_markers=("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB"),
     # 1g.10gb is absent from the published -lgip listing (older driver); it has the same two memory
     # slices as 2g.10gb, so it gets 2g.10gb's memory.
-    profiles=_standard_profiles(("1g.5gb", 4864), ("1g.10gb", 9984), ("2g.10gb", 9984),
-                                ("3g.20gb", 20096), ("4g.20gb", 20096), ("7g.40gb", 40448)),
+    profiles=_standard_profiles(
+        ("1g.5gb", 4864),
+        ("1g.10gb", 9984),
+        ("2g.10gb", 9984),
+        ("3g.20gb", 20096),
+        ("4g.20gb", 20096),
+        ("7g.40gb", 40448),
+    ),
 )
 A100_80GB = GpuModel(
     key="a100-80gb",
     name_markers=("A100-SXM4-80GB", "A100-PCIE-80GB", "A100 80GB"),
-    profiles=_standard_profiles(("1g.10gb", 9728), ("1g.20gb", 19968), ("2g.20gb", 19968),
-                                ("3g.40gb", 40192), ("4g.40gb", 40192), ("7g.80gb", 80896)),
+    profiles=_standard_profiles(
+        ("1g.10gb", 9728),
+        ("1g.20gb", 19968),
+        ("2g.20gb", 19968),
+        ("3g.40gb", 40192),
+        ("4g.40gb", 40192),
+        ("7g.80gb", 80896),
+    ),
 )
 H100_80GB = GpuModel(
     key="h100-80gb",
     name_markers=("H100 80GB", "H100-SXM5-80GB", "H100 PCIe"),
-    profiles=_standard_profiles(("1g.10gb", 9984), ("1g.20gb", 20096), ("2g.20gb", 20096),
-                                ("3g.40gb", 40448), ("4g.40gb", 40448), ("7g.80gb", 81152)),
+    profiles=_standard_profiles(
+        ("1g.10gb", 9984),
+        ("1g.20gb", 20096),
+        ("2g.20gb", 20096),
+        ("3g.40gb", 40448),
+        ("4g.40gb", 40448),
+        ("7g.80gb", 81152),
+    ),
 )
 H200_141GB = GpuModel(
     key="h200-141gb",
     name_markers=("H200",),
-    profiles=_standard_profiles(("1g.18gb", 16384), ("1g.35gb", 33280), ("2g.35gb", 33280),
-                                ("3g.71gb", 71424), ("4g.71gb", 71424), ("7g.141gb", 143360)),
+    profiles=_standard_profiles(
+        ("1g.18gb", 16384),
+        ("1g.35gb", 33280),
+        ("2g.35gb", 33280),
+        ("3g.71gb", 71424),
+        ("4g.71gb", 71424),
+        ("7g.141gb", 143360),
+    ),
 )
 
 GPU_MODELS: Mapping[str, GpuModel] = {m.key: m for m in (A100_40GB, A100_80GB, H100_80GB, H200_141GB)}
@@ -163,9 +192,13 @@ def profile_table(model: GpuModel) -> list[dict[str, Any]]:
     """The table as plain JSON-ready rows (for the CLI and for comparison with NVML)."""
     return [
         {
-            "name": p.name, "profile_id": p.profile_id, "nvml_profile": p.nvml_profile,
-            "compute_slices": p.compute_slices, "memory_slices": p.memory_slices,
-            "memory_mib": p.memory_mib, "max_instances": p.max_instances,
+            "name": p.name,
+            "profile_id": p.profile_id,
+            "nvml_profile": p.nvml_profile,
+            "compute_slices": p.compute_slices,
+            "memory_slices": p.memory_slices,
+            "memory_mib": p.memory_mib,
+            "max_instances": p.max_instances,
             "placements": [{"start": s, "size": p.memory_slices} for s in p.starts],
         }
         for p in model.profiles
@@ -197,8 +230,7 @@ def compare_with_nvml(model: GpuModel, nvml_profiles: Iterable[Mapping[str, Any]
         placements = row.get("placements")
         if placements is not None:
             nvml_placements = sorted((int(p["start"]), int(p["size"])) for p in placements)
-            checks.append(("placements", [(s, built_in.memory_slices) for s in built_in.starts],
-                           nvml_placements))
+            checks.append(("placements", [(s, built_in.memory_slices) for s in built_in.starts], nvml_placements))
         for field, ours, theirs in checks:
             if theirs is not None and ours != theirs:
                 differences.append(f"{name}: {field} built-in {ours} != NVML {theirs}")

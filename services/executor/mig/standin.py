@@ -95,8 +95,9 @@ class MigNvmlStandIn:
     c_nvmlGpuInstance_t = pynvml.c_nvmlGpuInstance_t
     c_nvmlComputeInstance_t = pynvml.c_nvmlComputeInstance_t
 
-    def __init__(self, models: list[GpuModel], *, mig_enabled: bool = True,
-                 device_names: list[str] | None = None) -> None:
+    def __init__(
+        self, models: list[GpuModel], *, mig_enabled: bool = True, device_names: list[str] | None = None
+    ) -> None:
         mode = pynvml.NVML_DEVICE_MIG_ENABLE if mig_enabled else pynvml.NVML_DEVICE_MIG_DISABLE
         names = device_names or [f"NVIDIA {m.key.upper()} (MigNvmlStandIn)" for m in models]
         self._devices = [_Device(i, m, names[i], mode, mode) for i, m in enumerate(models)]
@@ -138,8 +139,9 @@ class MigNvmlStandIn:
     def layout(self, device_index: int = 0) -> list[tuple[str, int, int, int]]:
         """(profile, start, gi_id, compute instances) per GPU instance, sorted by start."""
         device = self._devices[device_index]
-        return sorted((gi.profile.name, gi.start, gi.id, len(gi.compute_instances))
-                      for gi in device.gpu_instances.values())
+        return sorted(
+            (gi.profile.name, gi.start, gi.id, len(gi.compute_instances)) for gi in device.gpu_instances.values()
+        )
 
     # ------------------------------------------------------------ handle plumbing
 
@@ -243,8 +245,9 @@ class MigNvmlStandIn:
                 return info
         raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
-    def nvmlDeviceGetGpuInstancePossiblePlacements(self, handle: Any, profile_id: int,
-                                                   placements: Any, count: Any) -> int:
+    def nvmlDeviceGetGpuInstancePossiblePlacements(
+        self, handle: Any, profile_id: int, placements: Any, count: Any
+    ) -> int:
         self._record("nvmlDeviceGetGpuInstancePossiblePlacements")
         profile = self._profile_by_id(self._device(handle), profile_id)
         count.contents.value = len(profile.starts)
@@ -284,8 +287,9 @@ class MigNvmlStandIn:
         info.placement.size = gi.profile.memory_slices
         return info
 
-    def nvmlGpuInstanceGetComputeInstanceProfileInfo(self, handle: Any, profile: int, eng_profile: int,
-                                                     version: int = 2) -> Any:
+    def nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        self, handle: Any, profile: int, eng_profile: int, version: int = 2
+    ) -> Any:
         self._record("nvmlGpuInstanceGetComputeInstanceProfileInfo")
         _, gi = self._gi(handle)
         slices = _CI_PROFILE_SLICES.get(profile)
@@ -297,8 +301,7 @@ class MigNvmlStandIn:
         info.instanceCount = gi.profile.compute_slices // slices
         return info
 
-    def nvmlGpuInstanceGetComputeInstances(self, handle: Any, profile_id: int, instances: Any,
-                                           count: Any) -> int:
+    def nvmlGpuInstanceGetComputeInstances(self, handle: Any, profile_id: int, instances: Any, count: Any) -> int:
         self._record("nvmlGpuInstanceGetComputeInstances")
         device, gi = self._gi(handle)
         found = [ci for ci in gi.compute_instances.values() if ci.profile_id == profile_id]

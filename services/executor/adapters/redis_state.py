@@ -1,0 +1,220 @@
+"""Executor state in Redis: per-target leases with fencing tokens, applied commands, action log, breakers.
+
+Keys (all under `prefix`, default "sits:executor:"):
+- `lease:<target>`        the holder's id and fencing token, SET NX PX (expires on its own)
+- `fence:<target>`        INCR counter; every lease gets a larger token than the last
+- `applied:<command_id>`  the action_id that applied the command (de-duplication)
+- `action:<action_id>`    the ActionResult (protobuf bytes), with before/after state
+- `actions:<target>`      sorted set of action ids by time, newest last
+- `limits:<target>`       the last engine limits the executor set (for GetLimits while the engine is down)
+- `breaker:<target>:<tier>`  JSON breaker record, expiring when it would read as closed
+- `pressure:<target>`     the last pressure written
+
+Redis errors surface as `StateUnavailable`: the service refuses mutating
+actions then, and leaves the command's offset uncommitted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from services.executor.domain import BreakerBoard, BreakerRecord, BreakerState, Tier
+from sits.v1 import events_pb2
+
+
+class StateUnavailable(RuntimeError):
+    """Redis cannot be reached or answered with an error."""
+
+
+class LeaseHeld(RuntimeError):
+    """Another executor holds this target's lease."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    target: str
+    holder: str
+    fencing_token: int
+
+
+# Release only our own lease: compare-and-delete in one step.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+class RedisState:
+    def __init__(self, client: aioredis.Redis, prefix: str = "sits:executor:", applied_ttl_s: int = 7 * 24 * 3600):
+        self._client = client
+        self._prefix = prefix
+        self._applied_ttl_s = applied_ttl_s
+        self._release = client.register_script(_RELEASE)
+
+    def _key(self, *parts: str) -> str:
+        return self._prefix + ":".join(parts)
+
+    async def ping(self) -> None:
+        try:
+            await self._client.ping()
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable: {error}") from error
+
+    # ------------------------------------------------------------ leases
+
+    async def acquire_lease(self, target: str, ttl_ms: int) -> Lease:
+        """The target's lease with a fresh fencing token, or LeaseHeld."""
+        holder = uuid.uuid4().hex
+        try:
+            token = int(await self._client.incr(self._key("fence", target)))
+            value = f"{holder}:{token}"
+            if not await self._client.set(self._key("lease", target), value, nx=True, px=ttl_ms):
+                raise LeaseHeld(f"target {target} is leased by another executor")
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable while taking the lease: {error}") from error
+        return Lease(target=target, holder=value, fencing_token=token)
+
+    async def release_lease(self, lease: Lease) -> None:
+        try:
+            await self._release(keys=[self._key("lease", lease.target)], args=[lease.holder])
+        except (RedisError, OSError):
+            # It expires on its own; a failed release only delays the next holder.
+            return
+
+    async def lease_is_current(self, lease: Lease) -> bool:
+        try:
+            raw = await self._client.get(self._key("lease", lease.target))
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable: {error}") from error
+        return raw is not None and _text(raw) == lease.holder
+
+    # ------------------------------------------------------------ commands and actions
+
+    async def applied_action(self, command_id: str) -> str | None:
+        try:
+            raw = await self._client.get(self._key("applied", command_id))
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable: {error}") from error
+        return _text(raw) if raw is not None else None
+
+    async def record(self, target: str, result: events_pb2.ActionResult, *, mark_applied: bool) -> None:
+        """Store the action; with `mark_applied`, also remember its command as done."""
+        score = result.applied_at.seconds + result.applied_at.nanos / 1e9
+        try:
+            async with self._client.pipeline(transaction=True) as pipe:
+                pipe.set(self._key("action", result.action_id), result.SerializeToString(), ex=self._applied_ttl_s)
+                pipe.zadd(self._key("actions", target), {result.action_id: score})
+                if mark_applied and result.command_id:
+                    pipe.set(self._key("applied", result.command_id), result.action_id, ex=self._applied_ttl_s)
+                await pipe.execute()
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable while recording action: {error}") from error
+
+    async def action(self, action_id: str) -> events_pb2.ActionResult | None:
+        try:
+            raw = await self._client.get(self._key("action", action_id))
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable: {error}") from error
+        if raw is None:
+            return None
+        result = events_pb2.ActionResult()
+        result.ParseFromString(_bytes(raw))
+        return result
+
+    async def actions(self, target: str, limit: int) -> list[events_pb2.ActionResult]:
+        try:
+            ids = await self._client.zrevrange(self._key("actions", target), 0, max(0, limit - 1))
+            raws = await self._client.mget([self._key("action", _text(i)) for i in ids]) if ids else []
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable: {error}") from error
+        results = []
+        for raw in raws:
+            if raw is not None:
+                result = events_pb2.ActionResult()
+                result.ParseFromString(_bytes(raw))
+                results.append(result)
+        return results
+
+    # ------------------------------------------------------------ breakers and pressure
+
+    async def breakers(self, target: str) -> BreakerBoard:
+        try:
+            raws = await self._client.mget([self._key("breaker", target, t.mesh_name) for t in Tier])
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable: {error}") from error
+        records: dict[Tier, BreakerRecord] = {}
+        for tier, raw in zip(Tier, raws, strict=True):
+            if raw is not None:
+                data = json.loads(raw)
+                records[tier] = BreakerRecord(
+                    tier=tier,
+                    state=BreakerState(int(data["state"])),
+                    max_requests=int(data["max_requests"]),
+                    opened_at=float(data["opened_at"]),
+                    ttl_s=int(data["ttl_s"]),
+                )
+        return BreakerBoard(records)
+
+    async def save_breakers(
+        self, target: str, board: BreakerBoard, expires_at: dict[Tier, float | None], now: float
+    ) -> None:
+        try:
+            async with self._client.pipeline(transaction=True) as pipe:
+                for tier in Tier:
+                    key = self._key("breaker", target, tier.mesh_name)
+                    record = board.records.get(tier)
+                    until = expires_at.get(tier)
+                    if record is None or record.state is BreakerState.CLOSED or until is None:
+                        pipe.delete(key)
+                        continue
+                    data = {
+                        "state": int(record.state),
+                        "max_requests": record.max_requests,
+                        "opened_at": record.opened_at,
+                        "ttl_s": record.ttl_s,
+                    }
+                    pipe.set(key, json.dumps(data), ex=max(1, math.ceil(until - now)))
+                await pipe.execute()
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable while saving breakers: {error}") from error
+
+    async def breaker_targets(self) -> set[str]:
+        """Targets with any breaker record (for the reconcile loop)."""
+        found: set[str] = set()
+        pattern = self._key("breaker", "*")
+        try:
+            async for key in self._client.scan_iter(match=pattern, count=200):
+                name = key.decode()[len(self._key("breaker")) + 1 :]
+                found.add(name.rsplit(":", 1)[0])
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable: {error}") from error
+        return found
+
+    async def pressure(self, target: str) -> float | None:
+        try:
+            raw = await self._client.get(self._key("pressure", target))
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable: {error}") from error
+        return float(raw) if raw is not None else None
+
+    async def save_pressure(self, target: str, value: float) -> None:
+        try:
+            await self._client.set(self._key("pressure", target), repr(value))
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable: {error}") from error
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _bytes(value: object) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()

@@ -1,0 +1,84 @@
+"""sits.v1.Executor over gRPC: Apply, Rollback, ListActions, GetLimits.
+
+Authentication of Apply and Rollback is the runtime server's interceptor
+(`MUTATING_METHODS`); this servicer maps domain outcomes to status codes:
+INVALID_ARGUMENT with the reasons, UNAVAILABLE when Redis (or the engine) is
+unreachable, ABORTED when another executor holds the target's lease.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from services.executor.adapters.engine import EngineUnavailable
+from services.executor.adapters.redis_state import LeaseHeld, StateUnavailable
+from services.executor.service import ActionNotFound, Executor, InvalidCommand
+from sits.v1 import events_pb2, executor_pb2, executor_pb2_grpc
+
+SERVICE_NAME = "sits.v1.Executor"
+MUTATING_METHODS = (f"/{SERVICE_NAME}/Apply", f"/{SERVICE_NAME}/Rollback")
+MAX_LIST = 500
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+    def __init__(self, executor: Executor) -> None:
+        self._executor = executor
+
+    async def Apply(self, request: events_pb2.HealingCommand, context: Context) -> events_pb2.ActionResult:
+        try:
+            return await self._executor.handle(request)
+        except InvalidCommand as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(error.reasons))
+        except ActionNotFound as error:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+        except StateUnavailable as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"refusing mutating action: {error}")
+        except EngineUnavailable as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except LeaseHeld as error:
+            await context.abort(grpc.StatusCode.ABORTED, str(error))
+        raise AssertionError("unreachable")
+
+    async def Rollback(self, request: executor_pb2.RollbackRequest, context: Context) -> events_pb2.ActionResult:
+        if not request.action_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "action_id is empty")
+        try:
+            return await self._executor.rollback(request.action_id, reason=request.reason)
+        except ActionNotFound as error:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+        except StateUnavailable as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"refusing mutating action: {error}")
+        except EngineUnavailable as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except LeaseHeld as error:
+            await context.abort(grpc.StatusCode.ABORTED, str(error))
+        raise AssertionError("unreachable")
+
+    async def ListActions(
+        self, request: executor_pb2.ListActionsRequest, context: Context
+    ) -> executor_pb2.ListActionsResponse:
+        if request.limit < 0 or request.limit > MAX_LIST:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"limit must be in [0, {MAX_LIST}]")
+        name = request.target.engine
+        if name not in self._executor.targets:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown target engine {name!r}")
+        try:
+            actions = await self._executor.state.actions(name, request.limit or 50)
+        except StateUnavailable as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        return executor_pb2.ListActionsResponse(actions=actions)
+
+    async def GetLimits(self, request: executor_pb2.GetLimitsRequest, context: Context) -> executor_pb2.LimitsState:
+        try:
+            state = await self._executor.limits_state(request.target.engine)
+        except InvalidCommand as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(error.reasons))
+        except (StateUnavailable, EngineUnavailable) as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        reply = executor_pb2.LimitsState(state=state)
+        reply.target.CopyFrom(request.target)
+        return reply

@@ -1,0 +1,144 @@
+"""Executor wiring: Kafka commands in, ActionResults out, the gRPC API, and the breaker TTL loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from services.executor import metrics
+from services.executor.adapters.engine import EngineControlClient, VllmEngineClient
+from services.executor.adapters.envoy import EnvoyAdmin
+from services.executor.adapters.mig import NvmlMigHook
+from services.executor.adapters.redis_state import RedisState, StateUnavailable
+from services.executor.domain import BreakerPolicy
+from services.executor.grpc_api import MUTATING_METHODS, SERVICE_NAME, ExecutorServicer
+from services.executor.service import EngineTarget, Executor, InvalidCommand
+from services.executor.settings import ExecutorSettings
+from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics
+from sits.runtime.clock import SystemClock
+from sits.runtime.events import Topics
+from sits.runtime.grpcserver import GrpcServer, ServiceBinding, read_token
+from sits.runtime.lifecycle import run_service
+from sits.runtime.metrics import serve_metrics
+from sits.runtime.redis import connect
+from sits.v1 import events_pb2, executor_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SETTINGS = ExecutorSettings
+
+
+def build_executor(
+    settings: ExecutorSettings, producer: EventProducer, redis_prefix: str = "sits:executor:"
+) -> Executor:
+    topics = Topics(settings.topic_prefix)
+
+    async def publish(result: events_pb2.ActionResult) -> None:
+        await producer.publish(topics.results, result)
+        metrics.count_result(result)
+
+    targets = {
+        name: EngineTarget(
+            name=name,
+            control=EngineControlClient(endpoints.control_addr),
+            engine=VllmEngineClient(endpoints.engine_addr),
+            envoy_cluster=endpoints.envoy_cluster,
+        )
+        for name, endpoints in settings.executor_targets.items()
+    }
+    return Executor(
+        state=RedisState(connect(settings.redis_url), prefix=redis_prefix),
+        targets=targets,
+        publish=publish,
+        clock=SystemClock(),
+        envoy=EnvoyAdmin(settings.envoy_admin_url) if settings.envoy_admin_url else None,
+        pressure_file=settings.envoy_pressure_file,
+        policy=BreakerPolicy(
+            closed_max_requests=settings.breaker_closed_max_requests,
+            half_open_max_requests=settings.breaker_half_open_max_requests,
+            default_ttl_s=settings.breaker_default_ttl_s,
+        ),
+        lease_ttl_ms=settings.executor_lease_ttl_ms,
+        flush_wait_idle_s=settings.executor_flush_wait_idle_s,
+        mig=_mig_hook(settings),
+    )
+
+
+def _mig_hook(settings: ExecutorSettings) -> NvmlMigHook | None:
+    if not settings.executor_mig_gpus:
+        return None
+    import pynvml
+
+    return NvmlMigHook(pynvml, settings.executor_mig_gpus, apply=settings.mig_apply)
+
+
+def command_handler(executor: Executor) -> Callable[[ReceivedEvent], Awaitable[None]]:
+    async def handle(event: ReceivedEvent) -> None:
+        if not isinstance(event.message, events_pb2.HealingCommand):
+            return
+        try:
+            await executor.handle(event.message)
+        except InvalidCommand as error:
+            # Bad input is answered, never retried: a REFUSED result, offset committed.
+            result = executor.result_for(event.message, events_pb2.ACTION_STATUS_REFUSED, "; ".join(error.reasons))
+            await executor.publish(result)
+        except StateUnavailable:
+            log.warning("Redis unreachable: command %s not applied, offset left uncommitted", event.message.command_id)
+            raise
+
+    return handle
+
+
+async def serve(settings: ExecutorSettings, stop: asyncio.Event) -> None:
+    topics = Topics(settings.topic_prefix)
+    serve_metrics(settings.metrics_port, settings.metrics_bind)
+    await ensure_topics(settings)
+    async with EventProducer(settings) as producer:
+        executor = build_executor(settings, producer)
+        binding = ServiceBinding(
+            executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorServicer(executor), SERVICE_NAME
+        )
+        server = GrpcServer(
+            [binding],
+            bind=settings.grpc_bind,
+            port=settings.port_of(settings.executor_addr),
+            token=read_token(settings.auth_token_file),
+            mutating_methods=MUTATING_METHODS,
+            max_message_bytes=settings.grpc_max_message_bytes,
+        )
+        consumer = EventConsumer(
+            settings,
+            group_id=f"{settings.topic_prefix}{settings.executor_group_id}",
+            topics=[topics.commands],
+            handler=command_handler(executor),
+            dead_letters=producer,
+            coalesce=False,
+        )
+        async with server, consumer:
+            reconcile = asyncio.create_task(_reconcile_loop(executor, settings.executor_reconcile_interval_s, stop))
+            try:
+                await consumer.run(stop)
+            finally:
+                reconcile.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reconcile
+
+
+async def _reconcile_loop(executor: Executor, interval_s: float, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            await executor.reconcile_breakers()
+        except Exception:
+            log.exception("breaker reconcile failed; will retry")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=interval_s)
+
+
+def main() -> int:
+    return run_service("executor", ExecutorSettings, serve)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

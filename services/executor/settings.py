@@ -1,0 +1,49 @@
+"""Executor settings (environment variables `SITS_*`), on top of the shared runtime settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.executor.adapters.mig import MigGpu
+from sits.runtime.settings import Settings
+
+
+class EngineEndpoints(BaseModel):
+    """How the executor reaches one engine (a target, named by `Target.engine`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine_addr: str = Field(description="vLLM gRPC server (FlushCache, Abort), host:port.")
+    control_addr: str = Field(description="SITS engine-control endpoint inside the EngineCore, host:port.")
+    envoy_cluster: str = Field("vllm", description="Mesh upstream cluster prefix; tiers are <prefix>_p0.._p2.")
+
+
+class ExecutorSettings(Settings):
+    executor_targets: dict[str, EngineEndpoints] = Field(
+        default_factory=dict,
+        description='Engines this executor may act on, as JSON: {"vllm-0": {"engine_addr": ..., "control_addr": ...}}.',
+    )
+    envoy_admin_url: str = Field("", description="Envoy admin URL (http://127.0.0.1:9901); empty: no Envoy actions.")
+    envoy_pressure_file: Path | None = Field(
+        None, description="File Envoy's injected_resource overload monitor reads; replaced by atomic rename."
+    )
+    executor_group_id: str = Field("sits-executor", description="Kafka consumer group for healing commands.")
+    executor_lease_ttl_ms: int = Field(
+        10_000, ge=100, le=600_000, description="Per-target lease lifetime; bounds how long a crashed executor blocks."
+    )
+    executor_flush_wait_idle_s: float = Field(
+        2.0, ge=0.0, le=60.0, description="FlushCache waits this long for the engine to go idle."
+    )
+    executor_reconcile_interval_s: float = Field(
+        1.0, gt=0.0, le=60.0, description="How often breaker TTLs are re-evaluated and pushed to Envoy."
+    )
+    breaker_closed_max_requests: int = Field(1024, ge=1, description="Envoy max_requests of a closed tier.")
+    breaker_half_open_max_requests: int = Field(4, ge=1, description="Envoy max_requests while half-open (probes).")
+    breaker_default_ttl_s: int = Field(30, ge=1, le=86_400, description="Open time of a breaker without a TTL.")
+    executor_mig_gpus: dict[str, MigGpu] = Field(
+        default_factory=dict,
+        description='MIG GPU under each target, as JSON: {"vllm-0": {"model": "h200-141gb", "device_index": 0}}.',
+    )
+    mig_apply: bool = Field(False, description="Let MIG rebalancing change the GPU; off, every MIG plan is a dry run.")

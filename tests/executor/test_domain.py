@@ -1,0 +1,156 @@
+"""Executor domain: validation reasons, breaker state machine on a manual clock, restore plans."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.executor import domain
+from services.executor.domain import BreakerPolicy, BreakerState, Limits, Tier
+from services.executor.engine_control_protocol import priority_tier_of_request_id
+from sits.runtime.clock import ManualClock
+from sits.v1 import common_pb2, events_pb2
+
+INFO = domain.EngineInfo(max_num_seqs=32, max_num_batched_tokens=512, block_size=128)
+POLICY = BreakerPolicy(closed_max_requests=1000, half_open_max_requests=3, half_open_ttls=1, default_ttl_s=30)
+
+
+def command(kind: int, engine: str = "vllm-0", **params: object) -> events_pb2.HealingCommand:
+    message = events_pb2.HealingCommand(command_id="c-1", kind=kind, **params)  # type: ignore[arg-type]
+    message.meta.target.engine = engine
+    return message
+
+
+def limits_command(**fields: Any) -> events_pb2.HealingCommand:
+    return command(events_pb2.ACTION_KIND_SET_ENGINE_LIMITS, engine_limits=events_pb2.EngineLimits(**fields))
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"max_num_running_reqs": 0}, "max_num_running_reqs must be >= 1"),
+        ({"max_num_running_reqs": -2}, "max_num_running_reqs must be >= 1"),
+        ({"max_num_running_reqs": 33}, "max_num_seqs 32"),
+        ({"max_num_scheduled_tokens": 127}, "at least one KV block (128 tokens)"),
+        ({"max_num_scheduled_tokens": 0}, "at least one KV block"),
+        ({"max_num_scheduled_tokens": 1024}, "max_num_batched_tokens 512"),
+        ({"max_prefill_chunk_tokens": -1}, "max_prefill_chunk_tokens must be 0 (off) or positive"),
+        ({"max_prefill_chunk_tokens": 64}, "at least one KV block (128)"),
+    ],
+)
+def test_out_of_range_limits_have_a_reason(fields: dict[str, int], expected: str) -> None:
+    reasons = domain.validate_command(limits_command(**fields), ["vllm-0"], INFO)
+    assert any(expected in r for r in reasons), reasons
+
+
+def test_in_range_limits_pass() -> None:
+    cmd = limits_command(max_num_running_reqs=1, max_num_scheduled_tokens=128, max_prefill_chunk_tokens=0)
+    assert domain.validate_command(cmd, ["vllm-0"], INFO) == []
+
+
+def test_unknown_target_kind_and_params_are_refused() -> None:
+    flush_elsewhere = command(events_pb2.ACTION_KIND_FLUSH_CACHE, engine="nope")
+    assert "unknown target engine 'nope'" in domain.validate_command(flush_elsewhere, ["vllm-0"])[0]
+    assert domain.validate_command(command(42), ["vllm-0"]) == ["unknown action kind ACTION_KIND_42"]
+    assert "unknown action kind" in domain.validate_command(command(0), ["vllm-0"])[0]
+    reasons = domain.validate_command(command(events_pb2.ACTION_KIND_SET_ENGINE_LIMITS), ["vllm-0"])
+    assert reasons == ["ACTION_KIND_SET_ENGINE_LIMITS needs params.engine_limits, got none"]
+    assert domain.validate_command(command(events_pb2.ACTION_KIND_SET_PRESSURE, pressure=1.5), ["vllm-0"]) == [
+        "pressure must be in [0, 1], got 1.5"
+    ]
+    abort = events_pb2.AbortParams(at_or_below=common_pb2.PRIORITY_P2, max_streams=0)
+    assert domain.validate_command(command(events_pb2.ACTION_KIND_ABORT_LOW_PRIORITY, abort=abort), ["vllm-0"]) == [
+        "abort.max_streams must be >= 1, got 0"
+    ]
+
+
+def test_stale_command_is_detected_on_the_injected_clock() -> None:
+    clock = ManualClock(start=1000.0)
+    cmd = limits_command(max_num_running_reqs=2)
+    cmd.deadline.FromSeconds(1005)
+    assert not domain.is_stale(cmd, clock.now())
+    clock.advance(6)
+    assert domain.is_stale(cmd, clock.now())
+
+
+def test_merge_and_pause_resume_limits() -> None:
+    current = Limits(32, 512, 0, False)
+    change = events_pb2.EngineLimits(max_num_running_reqs=4)
+    assert domain.merge_limits(current, change) == Limits(4, 512, 0, False)
+    paused = domain.limits_after(events_pb2.ACTION_KIND_PAUSE_ADMISSION, current, command(6))
+    assert paused.admission_paused
+    assert not domain.limits_after(events_pb2.ACTION_KIND_RESUME_ADMISSION, paused, command(7)).admission_paused
+
+
+def setting(priority: int, state: int, max_requests: int = 0, ttl: int = 10) -> events_pb2.BreakerSetting:
+    return events_pb2.BreakerSetting(
+        priority=priority,  # type: ignore[arg-type]
+        state=state,  # type: ignore[arg-type]
+        max_requests=max_requests,
+        ttl_seconds=ttl,
+    )
+
+
+def test_breaker_opens_half_opens_and_closes_with_the_ttl() -> None:
+    clock = ManualClock(start=100.0)
+    board = domain.apply_breaker_setting(
+        domain.BreakerBoard(),
+        setting(common_pb2.PRIORITY_P2, events_pb2.BREAKER_STATE_OPEN, 0, 10),
+        clock.now(),
+        POLICY,
+    )
+    assert domain.envoy_limits(board, clock.now(), POLICY) == {Tier.P0: 1000, Tier.P1: 1000, Tier.P2: 0}
+    clock.advance(9.9)
+    assert board.effective(clock.now(), POLICY).get(Tier.P2, POLICY).state is BreakerState.OPEN
+    clock.advance(0.2)
+    half = board.effective(clock.now(), POLICY).get(Tier.P2, POLICY)
+    assert half.state is BreakerState.HALF_OPEN and half.max_requests == 3
+    clock.advance(10)
+    assert board.effective(clock.now(), POLICY).get(Tier.P2, POLICY).state is BreakerState.CLOSED
+    assert domain.envoy_limits(board, clock.now(), POLICY)[Tier.P2] == 1000
+
+
+def test_p0_is_shed_last_and_admitted_first() -> None:
+    now = 0.0
+    board = domain.apply_breaker_setting(
+        domain.BreakerBoard(), setting(common_pb2.PRIORITY_P1, events_pb2.BREAKER_STATE_OPEN, 5), now, POLICY
+    )
+    limits = domain.envoy_limits(board, now, POLICY)
+    assert limits[Tier.P2] == 5 and limits[Tier.P1] == 5 and limits[Tier.P0] == 1000
+    board = domain.apply_breaker_setting(
+        board, setting(common_pb2.PRIORITY_P0, events_pb2.BREAKER_STATE_OPEN, 10), now, POLICY
+    )
+    limits = domain.envoy_limits(board, now, POLICY)
+    # Opening P0 never loosens the lower tiers.
+    assert limits == {Tier.P0: 10, Tier.P1: 5, Tier.P2: 5}
+    board = domain.apply_breaker_setting(
+        board, setting(common_pb2.PRIORITY_P1, events_pb2.BREAKER_STATE_CLOSED), now, POLICY
+    )
+    limits = domain.envoy_limits(board, now, POLICY)
+    assert limits[Tier.P0] == 1000 and limits[Tier.P1] == 1000 and limits[Tier.P2] == 5
+
+
+def test_restore_plans_per_kind() -> None:
+    before = events_pb2.ActionState(engine_limits=Limits(32, 512, 0, False).to_proto())
+    plan = domain.restore_plan(events_pb2.ACTION_KIND_SET_ENGINE_LIMITS, before, Limits(1, 128, 0, True))
+    assert plan.possible and plan.limits == Limits(32, 512, 0, False)
+    assert domain.restore_plan(events_pb2.ACTION_KIND_SET_PRESSURE, events_pb2.ActionState(), None).pressure == 0.0
+    assert not domain.restore_plan(events_pb2.ACTION_KIND_FLUSH_CACHE, before, None).possible
+    assert not domain.restore_plan(events_pb2.ACTION_KIND_ABORT_LOW_PRIORITY, before, None).possible
+
+
+def test_abort_victims_lowest_tier_newest_first() -> None:
+    flights = [
+        domain.InFlightRequest("p0-a", 0, True, 1.0),
+        domain.InFlightRequest("p2-old", 2, True, 1.0),
+        domain.InFlightRequest("p2-new", 2, True, 5.0),
+        domain.InFlightRequest("p1-a", 1, True, 9.0),
+    ]
+    assert domain.choose_abort_victims(flights, Tier.P1, 3) == ["p2-new", "p2-old", "p1-a"]
+    assert domain.choose_abort_victims(flights, Tier.P2, 10) == ["p2-new", "p2-old"]
+
+
+@pytest.mark.parametrize(("request_id", "tier"), [("p0-x", 0), ("P1_y", 1), ("p2:z", 2), ("untagged", 2), ("p9-x", 2)])
+def test_priority_from_request_id(request_id: str, tier: int) -> None:
+    assert priority_tier_of_request_id(request_id) == tier
