@@ -8,9 +8,9 @@ protobuf message is the record value and the event attributes travel as
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
 from google.protobuf import timestamp_pb2
 from google.protobuf.message import DecodeError, Message
@@ -92,19 +92,32 @@ def meta_of(message: Message) -> common_pb2.EventMeta:
     return meta
 
 
-def cloudevent_headers(message: Message) -> list[tuple[str, bytes]]:
+_SPEC_HEADER = ("ce_specversion", SPEC_VERSION.encode())
+_CONTENT_TYPE_HEADER = ("content-type", CONTENT_TYPE.encode())
+
+
+def rfc3339(seconds_since_epoch: float) -> str:
+    whole = int(seconds_since_epoch)
+    micros = round((seconds_since_epoch - whole) * 1e6)
+    if micros == 1_000_000:
+        whole, micros = whole + 1, 0
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(whole))}.{micros:06d}Z"
+
+
+def cloudevent_headers(message: Message, key: str | None = None) -> list[tuple[str, bytes]]:
+    """The binary-mode CloudEvents headers of `message` (`key`: its target key, if already known)."""
     meta = meta_of(message)
     if not meta.event_id:
         raise ValueError(f"{type(message).__name__} has no meta.event_id")
-    produced = meta.produced_at.ToDatetime(tzinfo=UTC) if meta.HasField("produced_at") else datetime.now(UTC)
+    produced = seconds(meta.produced_at) if meta.HasField("produced_at") else time.time()
     return [
-        ("ce_specversion", SPEC_VERSION.encode()),
+        _SPEC_HEADER,
         ("ce_id", meta.event_id.encode()),
         ("ce_type", message.DESCRIPTOR.full_name.encode()),
         ("ce_source", (meta.source or "sits").encode()),
-        ("ce_time", produced.isoformat().replace("+00:00", "Z").encode()),
-        ("ce_subject", target_key(meta.target).encode()),
-        ("content-type", CONTENT_TYPE.encode()),
+        ("ce_time", rfc3339(produced).encode()),
+        ("ce_subject", (key if key is not None else target_key(meta.target)).encode()),
+        _CONTENT_TYPE_HEADER,
     ]
 
 

@@ -1,0 +1,145 @@
+"""H200: CPU cost of capture's NVML sampling at 10 Hz and 100 Hz.
+
+Usage: python scripts/gpu/capture_nvml_overhead.py OUT_JSON [seconds]
+
+Runs capture's real `NvmlSource` (asyncio loop, NVML v2 memory + utilization +
+per-process memory, conversion to sits.v1.MetricSample) alone in this process
+and divides the process's CPU seconds by the wall seconds sampled and by the
+number of GPUs. Where the protobuf stubs do not import on the machine, it times
+the `NvmlReader` in a thread instead and says so in `mode`. A baseline run of
+the same loop with the NVML read replaced by nothing is measured in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from services.capture.sources.nvml_reader import NvmlReader
+
+
+def per_call_us(reader: NvmlReader, calls: int = 2000) -> dict[str, float]:
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        reader.read()
+        times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    return {"median_us": statistics.median(times), "p99_us": times[int(0.99 * len(times))]}
+
+
+def run_source(hz: float, seconds: float, *, with_nvml: bool) -> dict[str, Any]:
+    from services.capture.sources.nvml import NvmlSource
+
+    class NullReader(NvmlReader):
+        def open(self) -> None:
+            pass
+
+        def read(self) -> list[Any]:
+            return []
+
+    source = NvmlSource(hz=hz, reader=NvmlReader() if with_nvml else NullReader())
+
+    async def consume() -> int:
+        count = 0
+        async for _sample in source.events():
+            count += 1
+            if time.monotonic() >= end:
+                break
+        return count
+
+    async def driver() -> int:
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(seconds)
+        task.cancel()
+        try:
+            return await task
+        except asyncio.CancelledError:
+            return source.samples_taken
+
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    end = wall0 + seconds
+    samples = asyncio.run(driver())
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    return {"cpu_s": cpu, "wall_s": wall, "samples": samples}
+
+
+def run_reader_thread(hz: float, seconds: float) -> dict[str, Any]:
+    reader = NvmlReader()
+    reader.open()
+    out: dict[str, Any] = {}
+
+    def loop() -> None:
+        cpu0, wall0 = time.thread_time(), time.monotonic()
+        next_tick, n = wall0, 0
+        while time.monotonic() - wall0 < seconds:
+            reader.read()
+            n += 1
+            next_tick += 1.0 / hz
+            time.sleep(max(0.0, next_tick - time.monotonic()))
+        out.update(cpu_s=time.thread_time() - cpu0, wall_s=time.monotonic() - wall0, samples=n)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    thread.join()
+    reader.close()
+    return out
+
+
+def main() -> int:
+    out_path = Path(sys.argv[1])
+    seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 30.0
+    reader = NvmlReader()
+    reader.open()
+    gpus = reader.gpu_count
+    first = reader.read()[0]
+    calls = per_call_us(reader)
+    reader.close()
+    try:
+        from services.capture.sources.nvml import NvmlSource  # noqa: F401
+
+        mode = "NvmlSource (asyncio + protobuf), whole-process CPU"
+    except Exception as exc:
+        mode = f"NvmlReader in a thread, thread CPU (stubs do not import: {exc})"
+    result: dict[str, Any] = {
+        "gpus": gpus,
+        "gpu_uuid": first.gpu_uuid,
+        "processes_visible": len(first.processes),
+        "read_all_gpus": calls,
+        "seconds_per_rate": seconds,
+        "mode": mode,
+        "runs": {},
+    }
+    for hz in (10.0, 100.0):
+        if mode.startswith("NvmlSource"):
+            baseline = run_source(hz, min(5.0, seconds), with_nvml=False)
+            run = run_source(hz, seconds, with_nvml=True)
+        else:
+            baseline = {"cpu_s": 0.0, "wall_s": 1.0, "samples": 0}
+            run = run_reader_thread(hz, seconds)
+        pct = 100.0 * run["cpu_s"] / run["wall_s"] / gpus
+        result["runs"][f"{int(hz)}hz"] = {
+            **run,
+            "achieved_hz": run["samples"] / run["wall_s"] / gpus,
+            "cpu_pct_per_gpu": pct,
+            "cpu_s_per_sampled_s_per_gpu": run["cpu_s"] / run["wall_s"] / gpus,
+            "baseline_loop_without_nvml": {
+                **baseline,
+                "cpu_pct": 100.0 * baseline["cpu_s"] / baseline["wall_s"],
+            },
+        }
+        print(f"{int(hz)} Hz: {pct:.3f}% of a core per GPU ({run['samples']} samples in {run['wall_s']:.1f} s)")
+    out_path.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Capture settings (environment variables `SITS_*`), on top of the shared runtime settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from services.capture.spool import FsyncPolicy
+from sits.runtime.settings import Settings
+
+
+class CaptureSettings(Settings):
+    nvml_enabled: bool = Field(True, description="Sample GPUs through NVML (reports 'unavailable' once without a GPU).")
+    nvml_hz: float = Field(10.0, gt=0, le=100, description="NVML samples per second per GPU (at most 100).")
+    nvml_processes: bool = Field(True, description="Read per-process GPU memory with every NVML sample.")
+    vllm_grpc_addr: str = Field(
+        "", description="vLLM gRPC server (GetLoads, SubscribeKvEvents), host:port; empty: off."
+    )
+    vllm_loads_interval_s: float = Field(0.5, gt=0, le=60, description="GetLoads polling period.")
+    vllm_kv_events: bool = Field(True, description="Subscribe to the engine's KV-cache event stream.")
+    vllm_metrics_url: str = Field("", description="vLLM Prometheus endpoint (http://host:port/metrics); empty: off.")
+    vllm_metrics_interval_s: float = Field(1.0, gt=0, le=60, description="Prometheus scrape period.")
+    vllm_timeout_s: float = Field(2.0, gt=0, le=60, description="Deadline of one GetLoads call or /metrics scrape.")
+    engine_name: str = Field("vllm-0", description="Target.engine of the engine this capture watches.")
+    engine_gpu_uuid: str = Field("", description="GPU UUID of the watched engine, for its samples' target.")
+    engine_pids: list[int] = Field(default_factory=list, description="PIDs of the engine's processes (JSON list).")
+    replay_trace: Path | None = Field(None, description="Replay this SITS trace v1 file as a source (demos, tests).")
+    replay_speed: float = Field(1.0, gt=0, le=1000, description="Replay speed: 1 real time, 10 ten times faster.")
+    replay_loop: bool = Field(False, description="Start the trace again when it ends.")
+    spool_dir: Path = Field(Path("/var/lib/sits/capture-spool"), description="Durable spool for unpublished events.")
+    spool_max_bytes: int = Field(
+        256 << 20, ge=4096, description="Spool bound; metric samples are dropped oldest-first past it, OOMs never."
+    )
+    spool_fsync: FsyncPolicy = Field(FsyncPolicy.INTERVAL, description="fsync policy: always, interval or never.")
+    spool_fsync_interval_s: float = Field(1.0, gt=0, le=60, description="Most time between fsyncs with 'interval'.")
+    oom_hook_spool_dir: Path | None = Field(
+        None, description="Folder the in-process OOM hooks spool into when capture was unreachable; ingested here."
+    )
+    oom_hook_spool_scan_s: float = Field(2.0, gt=0, le=3600, description="How often that folder is scanned.")
+    capture_stream_buffer: int = Field(
+        256, ge=1, le=100_000, description="StreamSamples per-client buffer; a client this far behind is closed."
+    )
+    capture_max_targets: int = Field(4096, ge=1, description="Targets whose latest state GetSnapshot keeps.")
+    capture_publish_batch: int = Field(512, ge=1, le=100_000, description="Events per Kafka publishing batch.")
+    capture_trace_samples_above: float = Field(
+        0.8,
+        ge=0.0,
+        le=1.0,
+        description="Samples at or above this memory fraction carry a trace (where incidents start); calmer ones "
+        "are published without a span.",
+    )
