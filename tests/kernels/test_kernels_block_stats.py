@@ -9,12 +9,14 @@ import torch
 
 from kernels import BlockStatsDevice, BlockStatsWorkspace, StatsLaunchConfig, block_stats, block_stats_async
 from kernels._launch import is_interpreted
-from kernels.block_stats import _mark_kernel, _scan_kernel
+from kernels.block_stats import _mark_kernel, _scan_kernel, _stats_kernel
 from kernels.reference import block_stats_reference
 
 POISON = -123_456_789
 # Small chunks so that a few hundred blocks already span many chunks of the scan.
 SMALL = StatsLaunchConfig(rows=2, cols=16, free_block=32, chunk=32)
+TWO_LAUNCHES = StatsLaunchConfig(rows=2, cols=16, free_block=32, chunk=32, fused=False)
+POLL_WITH_LOAD = StatsLaunchConfig(rows=2, cols=16, free_block=32, chunk=32, poll_with_load=True)
 
 
 @pytest.fixture
@@ -52,12 +54,13 @@ def poisoned(num_blocks: int, num_seqs: int) -> BlockStatsDevice:
 
 
 def test_kernels_run_in_triton_interpreter() -> None:
-    assert is_interpreted(_mark_kernel) and is_interpreted(_scan_kernel)
+    assert all(is_interpreted(k) for k in (_mark_kernel, _scan_kernel, _stats_kernel))
 
 
+@pytest.mark.parametrize("config", [SMALL, TWO_LAUNCHES], ids=["fused", "two-launches"])
 @pytest.mark.parametrize("case", range(4))
 @pytest.mark.parametrize("with_lens", [False, True])
-def test_block_stats_match_reference(case: int, with_lens: bool, seed: int) -> None:
+def test_block_stats_match_reference(case: int, with_lens: bool, config: StatsLaunchConfig, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     num_blocks = int(torch.randint(200, 700, (1,), generator=gen))
     num_seqs = int(torch.randint(1, 9, (1,), generator=gen))
@@ -65,7 +68,7 @@ def test_block_stats_match_reference(case: int, with_lens: bool, seed: int) -> N
                                   free_fraction=[1.0, 0.9, 0.5, 0.97][case])
     if with_lens:
         table = table.clamp(min=0)  # vLLM pads with 0 and keeps the lengths aside
-    workspace = BlockStatsWorkspace(num_blocks, "cpu", SMALL)
+    workspace = BlockStatsWorkspace(num_blocks, "cpu", config)
     out = poisoned(num_blocks, num_seqs)
     got = block_stats_async(table, free, workspace, lens if with_lens else None, out=out).to_host()
     assert got == block_stats_reference(table, free, num_blocks, lens if with_lens else None), f"seed {seed}"
@@ -91,13 +94,17 @@ def test_all_free_pool_is_one_run() -> None:
     assert got.blocks_per_seq == (0, 0, 0)
 
 
-def test_workspace_reuse_forgets_previous_call(seed: int) -> None:
+@pytest.mark.parametrize("config", [SMALL, TWO_LAUNCHES, POLL_WITH_LOAD], ids=["fused", "two-launches", "poll-load"])
+def test_workspace_reuse_forgets_previous_call(config: StatsLaunchConfig, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
-    workspace = BlockStatsWorkspace(300, "cpu", SMALL)
+    workspace = BlockStatsWorkspace(300, "cpu", config)
     for share in (True, False, True):
         table, _, free = make_pool(gen, 300, 5, 30, share, free_fraction=0.8)
         got = block_stats_async(table, free, workspace, out=poisoned(300, 5)).to_host()
         assert got == block_stats_reference(table, free, 300), f"seed {seed}"
+        # Nothing carried to the next call: maps cleared by the scan, counters reset.
+        assert not workspace.used_mark.any() and not workspace.free_mark.any()
+        assert workspace.sync.tolist() == [0, 0, 0]
 
 
 def test_out_of_range_ids_and_duplicates_are_ignored() -> None:

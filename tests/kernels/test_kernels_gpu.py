@@ -16,7 +16,9 @@ from kernels import (
     BlockStatsWorkspace,
     KvSnapshotter,
     SnapshotConfig,
+    StatsLaunchConfig,
     block_stats_async,
+    plan_block_sample,
     plan_snapshot,
 )
 from kernels._launch import interpreting
@@ -35,7 +37,7 @@ def seed() -> int:
     return random.SystemRandom().randrange(2**31)
 
 
-@pytest.mark.parametrize("mode", ["staged", "zero_copy"])
+@pytest.mark.parametrize("mode", ["staged", "zero_copy", "copy_engine"])
 @pytest.mark.parametrize("max_programs", [None, 7])
 @pytest.mark.parametrize("block_dim", [1, 0])
 def test_snapshot_on_gpu(mode: str, max_programs: int | None, block_dim: int, seed: int) -> None:
@@ -56,6 +58,20 @@ def test_snapshot_on_gpu(mode: str, max_programs: int | None, block_dim: int, se
     assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), f"seed {seed}"
 
 
+@pytest.mark.parametrize("mode", ["copy_engine", "staged"])
+def test_block_sample_on_gpu(mode: str, seed: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    whole = torch.randn((6, 2, 200, 16, 8, 128), device="cuda", generator=gen).to(torch.bfloat16)
+    caches = list(whole.unbind(0))
+    plan = plan_block_sample(caches, [5, 0, 2], stride=7, phase=4)
+    snapshotter = KvSnapshotter("cuda", SnapshotConfig(mode=mode, staging_bytes=6 * plan.tile_bytes))  # type: ignore[arg-type]
+    assert snapshotter.uses_copy_engine(plan) == (mode == "copy_engine")
+    host = snapshotter.allocate_host(plan)
+    host.fill_(0xA5)
+    got = snapshotter.snapshot(caches, plan, host).wait()
+    assert torch.equal(got.view(torch.int16), snapshot_reference(caches, plan).view(torch.int16)), f"seed {seed}"
+
+
 def test_snapshot_of_odd_layout_on_gpu(seed: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     caches = [torch.randn((2, 50, 3, 5, 7), device="cuda", generator=gen) for _ in range(3)]
@@ -68,10 +84,8 @@ def test_snapshot_of_odd_layout_on_gpu(seed: int) -> None:
     assert torch.equal(got, snapshot_reference(caches, plan)), f"seed {seed}"
 
 
-@pytest.mark.parametrize("with_lens", [False, True])
-def test_block_stats_on_gpu_at_pool_size(with_lens: bool, seed: int) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    num_blocks, rows, cols = LLAMA_70B_140GB_BLOCKS, 512, 2048
+def random_pool(gen: torch.Generator, num_blocks: int, rows: int,
+                cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     order = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
     lens = torch.randint(0, 90, (rows,), device="cuda", generator=gen, dtype=torch.int32)
     starts = torch.cumsum(lens, 0) - lens
@@ -83,10 +97,44 @@ def test_block_stats_on_gpu_at_pool_size(with_lens: bool, seed: int) -> None:
     table[1, :5] = table[0, :5]  # shared prefix blocks
     taken = int(lens.sum())
     free = order[taken:][torch.randperm(num_blocks - taken, device="cuda", generator=gen)][: (num_blocks - taken) // 2]
+    return table, lens, free
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_block_stats_graph_replays_on_new_contents(fused: bool, seed: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    num_blocks, rows, cols = LLAMA_70B_140GB_BLOCKS, 512, 2048
+    table, _, first_free = random_pool(gen, num_blocks, rows, cols)
+    free = torch.full((num_blocks,), -1, device="cuda", dtype=torch.int32)  # -1: no entry
+    free[: first_free.numel()] = first_free
+    ws = BlockStatsWorkspace(num_blocks, "cuda", StatsLaunchConfig(fused=fused))
+    out = BlockStatsDevice.empty(num_blocks, rows, "cuda")
+    block_stats_async(table, free, ws, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        block_stats_async(table, free, ws, out=out)
+    for _ in range(3):  # new contents in the captured buffers: nothing of the host is frozen in
+        new_table, _, new_free = random_pool(gen, num_blocks, rows, cols)
+        table.copy_(new_table)
+        free.fill_(-1)
+        free[: new_free.numel()] = new_free
+        out.totals.fill_(-99)
+        out.blocks_per_seq.fill_(-99)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert out.to_host() == block_stats_reference(table, free, num_blocks), f"seed {seed}"
+
+
+@pytest.mark.parametrize("with_lens", [False, True])
+def test_block_stats_on_gpu_at_pool_size(with_lens: bool, seed: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    num_blocks, rows, cols = LLAMA_70B_140GB_BLOCKS, 512, 2048
+    table, lens, free = random_pool(gen, num_blocks, rows, cols)
     if with_lens:
         table = table.clamp(min=0)
     ws = BlockStatsWorkspace(num_blocks, "cuda")
-    for _ in range(3):  # reuse: epochs must isolate the calls; the ticket must reset
+    for _ in range(3):  # reuse: the maps must be cleared, the counters reset
         out = BlockStatsDevice.empty(num_blocks, rows, "cuda")
         out.totals.fill_(-99)
         out.blocks_per_seq.fill_(-99)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kernels import KvSnapshotter, SnapshotConfig, plan_snapshot
+from kernels import KvSnapshotter, SnapshotConfig, plan_block_sample, plan_snapshot
 from kernels._launch import is_interpreted
 from kernels.reference import snapshot_reference
 from kernels.snapshot import _gather_tiles_kernel
@@ -58,7 +58,7 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["vllm-bf16", "odd-f32", "block-major", "bytes"])
-@pytest.mark.parametrize("mode", ["staged", "zero_copy"])
+@pytest.mark.parametrize("mode", ["staged", "zero_copy", "copy_engine", "dma_batch"])
 def test_snapshot_matches_indexing(layout: tuple[tuple[object, ...], int, torch.dtype], mode: str,
                                    seed: int) -> None:
     shape_spec, block_dim, dtype = layout
@@ -76,6 +76,72 @@ def test_snapshot_matches_indexing(layout: tuple[tuple[object, ...], int, torch.
     host.fill_(0xA5)
     got = snapshotter.snapshot(caches, plan, host).wait()
     assert same_bits(got, snapshot_reference(caches, plan, block_dim)), f"seed {seed}"
+
+
+def one_allocation(gen: torch.Generator, layers: int, num_blocks: int) -> list[torch.Tensor]:
+    """Layers as views of one tensor, evenly spaced in memory (as one big KV allocation gives)."""
+    whole = torch.randn((layers, 2, num_blocks, 4, 2, 8), generator=gen).to(torch.bfloat16)
+    return list(whole.unbind(0))
+
+
+@pytest.mark.parametrize("mode", ["copy_engine", "staged"])
+def test_block_sample_is_one_pitched_copy_per_layer_and_part(mode: str, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    caches = one_allocation(gen, layers=4, num_blocks=30)
+    plan = plan_block_sample(caches, layers=[1, 2, 3], stride=4, phase=3)
+    assert plan.tiles[:, 3].tolist() == [3, 7, 11, 15, 19, 23, 27] * 3
+    assert plan.tiles[:, 1].tolist() == [1] * 7 + [2] * 7 + [3] * 7
+    # Gap: 4 blocks of 128 bytes, in 16-byte units; a new run where the next layer starts.
+    assert plan.strided_runs.tolist() == [[0, 7, 32], [7, 7, 32], [14, 7, 32]]
+    snapshotter = KvSnapshotter("cpu", SnapshotConfig(mode=mode, staging_bytes=4 * plan.tile_bytes))  # type: ignore[arg-type]
+    assert snapshotter.uses_copy_engine(plan) == (mode == "copy_engine")
+    host = snapshotter.allocate_host(plan)
+    host.fill_(0xA5)
+    got = snapshotter.snapshot(caches, plan, host).wait()
+    assert same_bits(got, snapshot_reference(caches, plan)), f"seed {seed}"
+
+
+def test_one_block_across_evenly_spaced_layers_is_one_run(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    caches = one_allocation(gen, layers=5, num_blocks=12)
+    table = random_table(gen, 12, num_seqs=2, cols=6)
+    plan = plan_snapshot(caches, table, [0, 1], range(5), stride=2)
+    # Tiles go (row, position, layer): the five layers of a block are one pitched run.
+    assert plan.strided_runs[:, 1].tolist() == [5] * (plan.num_tiles // 5)
+    host = torch.full((plan.nbytes,), 0xA5, dtype=torch.uint8)
+    got = KvSnapshotter("cpu", SnapshotConfig(mode="copy_engine")).snapshot(caches, plan, host).wait()
+    assert same_bits(got, snapshot_reference(caches, plan)), f"seed {seed}"
+
+
+def test_runs_stay_inside_one_allocation(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    caches = random_cache(gen, (2, 30, 4, 2, 8), torch.bfloat16, layers=4)  # four allocations
+    table = random_table(gen, 30, num_seqs=3, cols=8)
+    plan = plan_snapshot(caches, table, [0, 1, 2], range(4), stride=1)
+    for first, count, _ in plan.strided_runs.tolist():
+        assert len(set(plan.tiles[first:first + count, 1].tolist())) == 1  # one layer, one allocation
+
+
+def test_irregular_plan_falls_back_to_the_gather_kernel(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    caches = random_cache(gen, (2, 40, 4, 2, 8), torch.bfloat16, layers=2)
+    table = random_table(gen, 40, num_seqs=3, cols=10)
+    plan = plan_snapshot(caches, table, [0, 1, 2], [1], stride=1)
+    config = SnapshotConfig(mode="copy_engine", staging_bytes=4 * plan.tile_bytes, max_dma_copies=3)
+    snapshotter = KvSnapshotter("cpu", config)
+    assert len(plan.strided_runs) * plan.parts > 3 and not snapshotter.uses_copy_engine(plan)
+    host = torch.full((plan.nbytes,), 0xA5, dtype=torch.uint8)
+    got = snapshotter.snapshot(caches, plan, host).wait()
+    assert same_bits(got, snapshot_reference(caches, plan)), f"seed {seed}"
+
+
+def test_block_sample_names_each_blocks_owner() -> None:
+    caches = [torch.zeros(2, 10, 2, 1, 4)]
+    table = torch.tensor([[4, 5, 6, 0], [9, 4, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([3, 2], dtype=torch.int32)
+    plan = plan_block_sample(caches, [0], stride=2, block_table=table, num_blocks_per_seq=lens)
+    # Blocks 0, 2, 4, 6, 8: 0 is padding (beyond the lengths), 4 is held first by row 0.
+    assert plan.tiles.tolist() == [[-1, 0, -1, 0], [-1, 0, -1, 2], [0, 0, 0, 4], [0, 0, 2, 6], [-1, 0, -1, 8]]
 
 
 def test_plan_follows_lengths_and_stride() -> None:

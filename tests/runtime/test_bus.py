@@ -16,6 +16,7 @@ from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure
 from sits.runtime.events import DLQ_REASON_HEADER, Topics, cloudevent_headers, decode_event, new_meta
 from sits.runtime.settings import Settings
 from sits.v1 import common_pb2, events_pb2
+from tests.waiting import eventually
 
 TARGET = common_pb2.Target(host="h", gpu_uuid="GPU-1", engine="vllm-0")
 
@@ -112,10 +113,11 @@ async def test_bad_records_go_to_dead_letters_and_consumption_continues(settings
             handler=handle, dead_letters=producer,
         )
         async with consumer:
-            deadline = time.monotonic() + 15
-            while consumer.stats.dead_lettered < 4 and time.monotonic() < deadline:
-                await consume_until(consumer, done)
-                await asyncio.sleep(0)
+            stop = asyncio.Event()
+            task = asyncio.create_task(consumer.run(stop))
+            assert await eventually(lambda: consumer.stats.dead_lettered >= 4 and done.is_set(), timeout_s=20)
+            stop.set()
+            await asyncio.wait_for(task, 5)
 
     assert [e.message for e in handled] == [good]
     letters = await read_all(settings, topics.deadletter, 4)
@@ -188,11 +190,13 @@ async def test_consumer_killed_mid_batch_handles_every_record_once(
     }
     script = [sys.executable, "-m", "tests.runtime.idempotent_consumer"]
     # First run dies hard (os._exit, like kill -9) after handling half of what it sees, before any commit.
-    first = subprocess.run(script, env={**env, "TEST_CRASH_AFTER": str(total // 2)}, timeout=60, check=False)
+    first = await asyncio.to_thread(
+        subprocess.run, script, env={**env, "TEST_CRASH_AFTER": str(total // 2)}, timeout=60, check=False
+    )
     assert first.returncode == 137
     handled_first = await redis_client.llen(handled_list)
     assert handled_first == total // 2
-    second = subprocess.run(script, env=env, timeout=60, check=False)
+    second = await asyncio.to_thread(subprocess.run, script, env=env, timeout=60, check=False)
     assert second.returncode == 0
 
     handled_ids = [x.decode() for x in await redis_client.lrange(handled_list, 0, -1)]

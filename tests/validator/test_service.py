@@ -19,6 +19,7 @@ from sits.runtime.grpcserver import GrpcServer, ServiceBinding
 from sits.runtime.settings import Settings
 from sits.v1 import common_pb2, events_pb2, validator_pb2, validator_pb2_grpc
 from tests.runtime.test_bus import read_all
+from tests.waiting import eventually
 
 TARGET = common_pb2.Target(host="h", gpu_uuid="GPU-1", engine="vllm-0")
 
@@ -74,12 +75,9 @@ async def test_failed_promise_is_rolled_back_and_audited(settings: Settings, top
             stop = asyncio.Event()
             async with consumer:
                 task = asyncio.create_task(consumer.run(stop))
-                deadline = time.monotonic() + 30
-                while len(service.validator.pending) < 2 and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
+                assert await eventually(lambda: len(service.validator.pending) == 2)
                 # Let the samples arrive too, then move past the settle window.
-                while consumer.stats.handled + consumer.stats.coalesced < 8 and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
+                assert await eventually(lambda: consumer.stats.handled + consumer.stats.coalesced >= 8)
                 assert await service.judge_due() == 0, "nothing is judged before its settle window ends"
                 clock.advance(5.0)
                 assert await service.judge_due() == 2

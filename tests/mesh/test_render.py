@@ -1,0 +1,158 @@
+"""Every generated config passes `envoy --mode validate`; Istio output and the CLI; EnvoyProcess."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from sits_mesh import cli
+from sits_mesh.envoy_config import EXT_PROC_FILTER, LOCAL_RATELIMIT_FILTER, render_bootstrap, render_bootstrap_yaml
+from sits_mesh.envoy_process import EnvoyProcess, validate_config
+from sits_mesh.istio import render_istio, render_istio_yaml
+from sits_mesh.policy import MeshPolicy, load_policy
+
+pytestmark = pytest.mark.envoy
+
+REPO = Path(__file__).resolve().parents[2]
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "no_admission": {"admission": {"enabled": False}},
+    "tight_windows": {"http2": {"initial_stream_window_bytes": 65535, "initial_connection_window_bytes": 65535,
+                                "per_connection_buffer_limit_bytes": 16384, "max_concurrent_streams": 8}},
+    "access_log_and_dns_upstream": {"access_log_path": "/dev/stdout",
+                                    "upstream": {"address": "localhost", "port": 50051}},
+    "fallback_cap": {"admission": {"fallback_max_total_tokens": 4096}, "rate_limit": {"max_tokens": 1}},
+}
+
+
+def _with_pressure_file(data: dict[str, Any], tmp_path: Path) -> MeshPolicy:
+    pressure = tmp_path / "gpu_pressure"
+    pressure.write_text("0")
+    return MeshPolicy.model_validate({**data, "overload": {"pressure_file": str(pressure)}})
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_generated_config_passes_envoy_validate(variant: str, tmp_path: Path) -> None:
+    policy = _with_pressure_file(VARIANTS[variant], tmp_path)
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_bootstrap_yaml(policy))
+    result = validate_config(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout + result.stderr
+
+
+def test_the_shipped_policy_renders_to_a_valid_config(tmp_path: Path) -> None:
+    data = yaml.safe_load((REPO / "mesh" / "policy.yaml").read_text())
+    policy = _with_pressure_file(data, tmp_path)
+    assert policy.model_copy(update={"overload": load_policy(REPO / "mesh" / "policy.yaml").overload}) == \
+        load_policy(REPO / "mesh" / "policy.yaml")
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_bootstrap_yaml(policy))
+    result = validate_config(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_broken_config_is_refused_by_validate(tmp_path: Path) -> None:
+    # Guards the guard: validate really checks (the priority_load_shed filter is not in 1.40).
+    policy = _with_pressure_file({}, tmp_path)
+    bootstrap = render_bootstrap(policy)
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    manager["http_filters"].insert(0, {"name": "envoy.filters.http.priority_load_shed", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.priority_load_shed.v3.PriorityLoadShed"}})
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(bootstrap))
+    assert validate_config(path).returncode != 0
+
+
+def test_flow_control_is_explicit_on_listener_and_clusters() -> None:
+    policy = MeshPolicy()
+    bootstrap = render_bootstrap(policy)
+    listener = bootstrap["static_resources"]["listeners"][0]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    assert listener["per_connection_buffer_limit_bytes"] == 65536
+    assert manager["http2_protocol_options"]["initial_stream_window_size"] == 65536
+    assert manager["stream_idle_timeout"] == "30s"
+    assert bootstrap["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    assert [layer["name"] for layer in bootstrap["layered_runtime"]["layers"]] == ["static", "admin"]
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    for name in ("vllm_p0", "vllm_p1", "vllm_p2"):
+        cluster = clusters[name]
+        h2 = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        assert h2["explicit_http_config"]["http2_protocol_options"]["initial_connection_window_size"] == 1048576
+        assert cluster["per_connection_buffer_limit_bytes"] == 65536
+        assert cluster["circuit_breakers"]["thresholds"][0]["track_remaining"] is True
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    assert all(r["route"]["timeout"] == "0s" for r in routes if "route" in r)
+    assert [r["name"] for r in routes][:2] == ["shed_p2", "shed_p1"]
+
+
+def test_istio_output_carries_the_same_limits() -> None:
+    policy = MeshPolicy()
+    http_filters, clusters, rule = render_istio(policy)
+    assert http_filters["kind"] == clusters["kind"] == "EnvoyFilter"
+    inserted = [p["patch"]["value"]["name"] for p in http_filters["spec"]["configPatches"]
+                if p["applyTo"] == "HTTP_FILTER"]
+    assert inserted == [LOCAL_RATELIMIT_FILTER, EXT_PROC_FILTER]
+    applied = [p["applyTo"] for p in clusters["spec"]["configPatches"]]
+    assert applied == ["CLUSTER", "CLUSTER", "BOOTSTRAP"]
+    window = clusters["spec"]["configPatches"][0]["patch"]["value"]
+    assert window["per_connection_buffer_limit_bytes"] == 65536
+    assert rule["kind"] == "DestinationRule"
+    assert rule["spec"]["trafficPolicy"]["outlierDetection"]["consecutive5xxErrors"] == 5
+    assert rule["spec"]["trafficPolicy"]["connectionPool"]["http"]["http2MaxRequests"] == 256
+    assert len(list(yaml.safe_load_all(render_istio_yaml(policy)))) == 3
+
+
+def test_the_istio_patches_are_valid_envoy_config(tmp_path: Path) -> None:
+    # The EnvoyFilter values are Envoy API objects: put them into a bootstrap and let Envoy judge.
+    policy = _with_pressure_file({}, tmp_path)
+    bootstrap = render_bootstrap(policy)
+    http_filters, clusters, _ = render_istio(policy)
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    patched = [p["patch"]["value"] for p in http_filters["spec"]["configPatches"] if p["applyTo"] == "HTTP_FILTER"]
+    manager["http_filters"] = [*patched, manager["http_filters"][-1]]
+    for patch in clusters["spec"]["configPatches"]:
+        if patch["applyTo"] == "BOOTSTRAP":
+            bootstrap.update(patch["patch"]["value"])
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(bootstrap))
+    result = validate_config(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cli_renders_and_validates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy_path = tmp_path / "policy.yaml"
+    pressure = tmp_path / "gpu_pressure"
+    pressure.write_text("0")
+    data = yaml.safe_load((REPO / "mesh" / "policy.yaml").read_text())
+    data["overload"]["pressure_file"] = str(pressure)
+    policy_path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    assert cli.main(["render", "--policy", str(policy_path), "--out", str(out), "--istio", "--validate"]) == 0
+    assert (out / "envoy.yaml").exists() and (out / "istio.yaml").exists()
+    assert "validate OK" in capsys.readouterr().out
+    policy_path.write_text("admin: {address: 0.0.0.0, port: 1}")
+    assert cli.main(["render", "--policy", str(policy_path), "--out", str(out)]) == 2
+    assert "loopback" in capsys.readouterr().err
+
+
+async def test_envoy_process_serves_admin_on_loopback_and_stops_twice(tmp_path: Path) -> None:
+    policy = MeshPolicy.model_validate({"listener": {"port": 0}, "admin": {"port": 0},
+                                        "overload": {"pressure_file": "gpu_pressure"},
+                                        "admission": {"enabled": False}})
+    envoy = EnvoyProcess(policy, workdir=tmp_path / "envoy")
+    async with envoy:
+        status, body = await envoy.admin("GET", "/server_info")
+        assert status == 200 and '"state": "LIVE"' in body
+        status, listeners = await envoy.admin("GET", "/listeners")
+        assert envoy.address in listeners
+        await envoy.runtime_modify({"sits.shed.p2": 50})
+        status, runtime = await envoy.admin("GET", "/runtime")
+        assert '"sits.shed.p2"' in runtime and '"50"' in runtime
+        envoy.set_pressure(0.5)
+        assert (tmp_path / "envoy" / "gpu_pressure").read_text() == "0.5000"
+    await envoy.stop()  # safe twice
+    assert envoy.admin_url.startswith("http://127.0.0.1:")
