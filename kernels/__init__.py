@@ -1,7 +1,9 @@
 """GPU side of capture: reading a live engine's paged KV cache without stopping it.
 
-- :func:`plan_snapshot` + :func:`snapshot_kv` (or a :class:`KvSnapshotter`): copy sampled
-  KV tiles into pinned host memory on their own streams.
+- :func:`plan_snapshot` (sampled per sequence) or :func:`plan_block_sample` (sampled
+  over the physical pool) + :func:`snapshot_kv` (or a :class:`KvSnapshotter`): copy KV
+  tiles into pinned host memory on their own streams, by a Triton gather kernel or, for
+  evenly spaced tiles, by the copy engines alone.
 - :func:`block_stats` (or :func:`block_stats_async` with a :class:`BlockStatsWorkspace`):
   used/free blocks, largest free run, blocks per sequence, fragmentation.
 
@@ -23,6 +25,7 @@ from kernels.snapshot import (
     Snapshot,
     SnapshotConfig,
     SnapshotPlan,
+    plan_block_sample,
     plan_snapshot,
     snapshot_kv,
 )
@@ -38,6 +41,7 @@ __all__ = [
     "StatsLaunchConfig",
     "block_stats",
     "block_stats_async",
+    "plan_block_sample",
     "plan_snapshot",
     "snapshot_kv",
     "stats_bytes_moved",

@@ -2,15 +2,29 @@
 # (Triton kernels take untyped arguments; the launchers below are fully typed.)
 """Block-usage and fragmentation statistics of a paged KV pool, computed on the GPU.
 
-Two launches. The first streams the block tables (the bulk of the bytes): it counts the
-valid entries of each sequence and stamps every referenced block id into a ``used`` map,
-while its last programs stamp the ids of the free list into a ``free`` map. The second
-reads both maps in chunks, summarises each chunk (counts, free runs), and its last
-program to finish folds the chunk summaries into the pool's totals.
+One launch (``StatsLaunchConfig.fused``, the default) with three kinds of program, told
+apart by program id:
 
-Maps are stamped with a per-call epoch instead of being cleared, so no memset launch is
-needed between calls; a :class:`BlockStatsWorkspace` therefore belongs to one caller
-(one stream) at a time.
+- *row programs* stream the block table (the bulk of the bytes): they count the valid
+  entries of each sequence and mark every referenced block id in a ``used`` map;
+- *free programs* mark the ids of the free list in a ``free`` map;
+- *scan programs* (the highest ids) each summarise one chunk of the maps: the free runs
+  as soon as the free programs are done (while the table still streams), the used
+  counts once every row program is done, clearing the chunk for the next call; the last
+  one to finish folds the chunk summaries into the pool's totals and resets the counters.
+
+Nothing is passed from the host per call (no epoch, no memset): a call, or a CUDA graph
+of calls, can be replayed as is. A :class:`BlockStatsWorkspace` therefore belongs to one
+caller (one stream) at a time.
+
+Why waiting inside one launch cannot hang: a scan program only waits for programs with
+lower ids, and the hardware hands out a launch's programs in increasing id order, so by
+the time a scan program runs every marking program has started, and marking programs
+wait for nothing. (CUDA does not promise that order; if it were ever broken, a hang would
+still need fewer free slots on the whole GPU than there are scan programs, at most
+``ceil(num_blocks / chunk)``: 27 for a 140 GB pool.) Triton's interpreter runs programs
+one after another in id order, so the CPU tests take the same path. ``fused=False``
+keeps the two-launch form (marking, then scanning), which needs no such argument.
 """
 
 from __future__ import annotations
@@ -23,7 +37,7 @@ import triton.language as tl
 
 from kernels._launch import check_device, normalize_device
 
-# Layout of the int64 result vector written by the last program of the scan launch.
+# Layout of the int64 result vector written by the last scan program.
 _RES_USED, _RES_FREE, _RES_BOTH, _RES_NEITHER, _RES_LARGEST_RUN, _RES_FREE_RUNS = range(6)
 _RESULT_LEN = 8
 # Rows of the per-chunk summary matrix (constexpr: the kernels index with them).
@@ -36,7 +50,12 @@ _SUM_SUF = tl.constexpr(5)
 _SUM_BEST = tl.constexpr(6)
 _SUM_STARTS = tl.constexpr(7)
 _SUMMARY_ROWS = 8
-_EPOCH_LIMIT = 2**31 - 2
+# The int32 counters of a workspace: row programs finished, free programs finished, scan
+# programs finished.
+_SYNC_ROWS = tl.constexpr(0)
+_SYNC_FREE = tl.constexpr(1)
+_SYNC_SCANNED = tl.constexpr(2)
+_SYNC_LEN = 3
 
 
 @triton.jit
@@ -57,85 +76,117 @@ def _summary_row(s, k, mask, MAX_CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def _mark_kernel(
-    table_ptr, row_stride, lens_ptr, num_rows, num_cols,
-    free_ptr, num_free, num_blocks,
-    used_mark_ptr, free_mark_ptr, blocks_per_seq_ptr,
-    epoch, num_row_programs,
-    HAS_LENS: tl.constexpr, EVEN: tl.constexpr,
-    ROWS: tl.constexpr, COLS: tl.constexpr, FREE_BLOCK: tl.constexpr,
+def _mark_rows(
+    table_ptr, row_stride, lens_ptr, num_rows, num_cols, num_blocks, used_mark_ptr, blocks_per_seq_ptr,
+    group, HAS_LENS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if pid < num_row_programs:
-        rows = pid * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < num_rows
-        row_base = table_ptr + rows.to(tl.int64)[:, None] * row_stride
-        if HAS_LENS:
-            lens = tl.load(lens_ptr + rows, mask=row_ok, other=0)
-            lens = tl.minimum(tl.maximum(lens, 0), num_cols)
-            # Reading up to the next multiple of 4 keeps the loads 16 bytes wide; the
-            # extra entries are masked out of the counts below.
-            lens_load = tl.multiple_of(tl.minimum((lens + 3) // 4 * 4, num_cols), 4)
-            cols_needed = tl.max(lens_load, axis=0)
-        else:
-            cols_needed = num_cols
-        counts = tl.zeros([ROWS], dtype=tl.int32)
-        stamp = tl.full([ROWS, COLS], 0, tl.int32) + epoch
-        for c0 in range(0, cols_needed, COLS):
-            cols = c0 + tl.arange(0, COLS)
-            if HAS_LENS:
-                load_mask = row_ok[:, None] & (cols[None, :] < lens_load[:, None])
-                ids = tl.load(row_base + cols[None, :], mask=load_mask, other=-1)
-                valid = (cols[None, :] < lens[:, None]) & (ids >= 0) & (ids < num_blocks)
-            elif EVEN:
-                ids = tl.load(row_base + cols[None, :])
-                valid = (ids >= 0) & (ids < num_blocks)
-            else:
-                load_mask = row_ok[:, None] & (cols[None, :] < num_cols)
-                ids = tl.load(row_base + cols[None, :], mask=load_mask, other=-1)
-                valid = (ids >= 0) & (ids < num_blocks)
-            counts += tl.sum(valid.to(tl.int32), axis=1)
-            tl.store(used_mark_ptr + ids, stamp, mask=valid)
-        tl.store(blocks_per_seq_ptr + rows, counts, mask=row_ok)
+    rows = group * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < num_rows
+    row_base = table_ptr + rows.to(tl.int64)[:, None] * row_stride
+    if HAS_LENS:
+        lens = tl.load(lens_ptr + rows, mask=row_ok, other=0)
+        lens = tl.minimum(tl.maximum(lens, 0), num_cols)
+        # Reading up to the next multiple of 4 keeps the loads 16 bytes wide; the extra
+        # entries are masked out of the counts below.
+        lens_load = tl.multiple_of(tl.minimum((lens + 3) // 4 * 4, num_cols), 4)
+        cols_needed = tl.max(lens_load, axis=0)
     else:
-        # Names differ from the other branch: Triton needs one type per name across an if.
-        free_offs = (pid - num_row_programs) * FREE_BLOCK + tl.arange(0, FREE_BLOCK)
-        in_list = free_offs < num_free
-        free_ids = tl.load(free_ptr + free_offs, mask=in_list, other=-1)
-        free_ok = in_list & (free_ids >= 0) & (free_ids < num_blocks)
-        free_stamp = tl.full([FREE_BLOCK], 0, tl.int32) + epoch
-        tl.store(free_mark_ptr + free_ids, free_stamp, mask=free_ok)
+        cols_needed = num_cols
+    # Counts stay per element until the loop ends: no cross-thread reduction per step.
+    counts = tl.zeros([ROWS, COLS], dtype=tl.int32)
+    for c0 in range(0, cols_needed, COLS):
+        # Declared non-contiguous on purpose: the loads then take the one-element-per-
+        # thread layout of the scattered atomics below (still coalesced: a warp reads 128
+        # bytes at once), and no step reshuffles the ids through shared memory.
+        cols = tl.max_contiguous(c0 + tl.arange(0, COLS), 1)
+        if HAS_LENS:
+            load_mask = row_ok[:, None] & (cols[None, :] < lens_load[:, None])
+            ids = tl.load(row_base + cols[None, :], mask=load_mask, other=-1)
+            valid = (cols[None, :] < lens[:, None]) & (ids >= 0) & (ids < num_blocks)
+        elif EVEN:
+            ids = tl.load(row_base + cols[None, :])
+            valid = (ids >= 0) & (ids < num_blocks)
+        else:
+            load_mask = row_ok[:, None] & (cols[None, :] < num_cols)
+            ids = tl.load(row_base + cols[None, :], mask=load_mask, other=-1)
+            valid = (ids >= 0) & (ids < num_blocks)
+        counts += valid.to(tl.int32)
+        # An atomic, not a store: Triton lays a scattered store out one element per
+        # thread and would shuffle the loaded ids through shared memory every step; the
+        # atomic keeps the load's 16-byte layout (and is fire-and-forget: result unused).
+        tl.atomic_max(used_mark_ptr + ids, 1, mask=valid, sem="relaxed")
+    tl.store(blocks_per_seq_ptr + rows, tl.sum(counts, axis=1), mask=row_ok)
 
 
 @triton.jit
-def _scan_kernel(
-    used_mark_ptr, free_mark_ptr, num_blocks, epoch,
-    summary_ptr, ticket_ptr, result_ptr, num_chunks,
-    CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-):
-    pid = tl.program_id(0)
+def _mark_free(free_ptr, num_free, num_blocks, free_mark_ptr, group, FREE_BLOCK: tl.constexpr):
+    offs = group * FREE_BLOCK + tl.arange(0, FREE_BLOCK)
+    in_list = offs < num_free
+    ids = tl.load(free_ptr + offs, mask=in_list, other=-1)
+    ok = in_list & (ids >= 0) & (ids < num_blocks)
+    tl.atomic_max(free_mark_ptr + ids, 1, mask=ok, sem="relaxed")
+
+
+@triton.jit
+def _scan_free(free_mark_ptr, num_blocks, summary_ptr, chunk, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+    """The free runs of one chunk: needs the free list marked, not the table."""
     idx = tl.arange(0, CHUNK)
-    offs = pid * CHUNK + idx
+    offs = chunk * CHUNK + idx
     inside = offs < num_blocks
-    used = (tl.load(used_mark_ptr + offs, mask=inside, other=0) == epoch) & inside
-    free = (tl.load(free_mark_ptr + offs, mask=inside, other=0) == epoch) & inside
+    # .cg: read at L2, where other programs' marks landed, never a stale L1 line.
+    free = (tl.load(free_mark_ptr + offs, mask=inside, other=0, cache_modifier=".cg") != 0) & inside
     last_busy = tl.associative_scan(tl.where(free, -1, idx), 0, _max_combine)
     run_end = idx - last_busy  # length of the free run that ends at idx; 0 where busy
     suffix = tl.sum(tl.where(idx == CHUNK - 1, run_end, 0), axis=0)
     prefix = tl.min(tl.where(free, CHUNK, idx), axis=0)
-    row = summary_ptr + pid
-    tl.store(row + _SUM_USED * MAX_CHUNKS, tl.sum(used.to(tl.int32), axis=0))
+    row = summary_ptr + chunk
     tl.store(row + _SUM_FREE * MAX_CHUNKS, tl.sum(free.to(tl.int32), axis=0))
-    tl.store(row + _SUM_BOTH * MAX_CHUNKS, tl.sum((used & free).to(tl.int32), axis=0))
-    tl.store(row + _SUM_NEITHER * MAX_CHUNKS, tl.sum((inside & ~used & ~free).to(tl.int32), axis=0))
     tl.store(row + _SUM_PRE * MAX_CHUNKS, prefix)
     tl.store(row + _SUM_SUF * MAX_CHUNKS, suffix)
     tl.store(row + _SUM_BEST * MAX_CHUNKS, tl.max(run_end, axis=0))
     tl.store(row + _SUM_STARTS * MAX_CHUNKS, tl.sum((run_end == 1).to(tl.int32), axis=0))
-    # Last-program-done: every program publishes its summary, then takes a ticket; the
-    # barrier orders all of this program's stores before the release of the ticket.
+
+
+@triton.jit
+def _scan_used(used_mark_ptr, free_mark_ptr, num_blocks, summary_ptr, chunk,
+               CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+    """The rest of one chunk once the table is marked; clears both maps for the next call."""
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    inside = offs < num_blocks
+    used = (tl.load(used_mark_ptr + offs, mask=inside, other=0, cache_modifier=".cg") != 0) & inside
+    free = (tl.load(free_mark_ptr + offs, mask=inside, other=0, cache_modifier=".cg") != 0) & inside
+    # Cleared as read, so the next call starts from empty maps with no memset launch.
+    cleared = tl.zeros([CHUNK], dtype=tl.int32)
+    tl.store(used_mark_ptr + offs, cleared, mask=inside)
+    tl.store(free_mark_ptr + offs, cleared, mask=inside)
+    row = summary_ptr + chunk
+    tl.store(row + _SUM_USED * MAX_CHUNKS, tl.sum(used.to(tl.int32), axis=0))
+    tl.store(row + _SUM_BOTH * MAX_CHUNKS, tl.sum((used & free).to(tl.int32), axis=0))
+    tl.store(row + _SUM_NEITHER * MAX_CHUNKS, tl.sum((inside & ~used & ~free).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _wait_for(counter_ptr, target, POLL_WITH_LOAD: tl.constexpr):
+    # Only ever waits for programs of lower ids (module docstring). Polling with plain
+    # volatile loads leaves the counter's atomic unit to the programs that increment it;
+    # one acquire at the end orders what follows.
+    if POLL_WITH_LOAD:
+        while tl.load(counter_ptr, volatile=True) < target:
+            pass
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    else:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
-    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def _fold_if_last(summary_ptr, sync_ptr, result_ptr, num_chunks, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+    # Last-program-done: every scan program has published its summary, then takes a
+    # ticket; the barrier orders all of this program's stores before the release.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(sync_ptr + _SYNC_SCANNED, 1, sem="acq_rel", scope="gpu")
     if ticket == num_chunks - 1:
         c = tl.arange(0, MAX_CHUNKS)
         live = c < num_chunks
@@ -157,7 +208,66 @@ def _scan_kernel(
         tl.store(result_ptr + 4, largest.to(tl.int64))
         starts = tl.sum(_summary_row(s, _SUM_STARTS, live, MAX_CHUNKS), axis=0)
         tl.store(result_ptr + 5, (starts - joins).to(tl.int64))
-        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+        # Every program of this call is past every counter: ready for the next call.
+        tl.atomic_xchg(sync_ptr + _SYNC_ROWS, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(sync_ptr + _SYNC_FREE, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(sync_ptr + _SYNC_SCANNED, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _stats_kernel(
+    table_ptr, row_stride, lens_ptr, num_rows, num_cols,
+    free_ptr, num_free, num_blocks,
+    used_mark_ptr, free_mark_ptr, blocks_per_seq_ptr,
+    summary_ptr, sync_ptr, result_ptr,
+    num_row_programs, num_mark_programs, num_chunks,
+    HAS_LENS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    FREE_BLOCK: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, POLL_WITH_LOAD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < num_row_programs:
+        _mark_rows(table_ptr, row_stride, lens_ptr, num_rows, num_cols, num_blocks, used_mark_ptr,
+                   blocks_per_seq_ptr, pid, HAS_LENS, EVEN, ROWS, COLS)
+        tl.debug_barrier()
+        tl.atomic_add(sync_ptr + _SYNC_ROWS, 1, sem="release", scope="gpu")
+    elif pid < num_mark_programs:
+        _mark_free(free_ptr, num_free, num_blocks, free_mark_ptr, pid - num_row_programs, FREE_BLOCK)
+        tl.debug_barrier()
+        tl.atomic_add(sync_ptr + _SYNC_FREE, 1, sem="release", scope="gpu")
+    else:
+        chunk = pid - num_mark_programs
+        # The free runs while the table still streams; then what needs the used map.
+        _wait_for(sync_ptr + _SYNC_FREE, num_mark_programs - num_row_programs, POLL_WITH_LOAD)
+        _scan_free(free_mark_ptr, num_blocks, summary_ptr, chunk, CHUNK, MAX_CHUNKS)
+        _wait_for(sync_ptr + _SYNC_ROWS, num_row_programs, POLL_WITH_LOAD)
+        _scan_used(used_mark_ptr, free_mark_ptr, num_blocks, summary_ptr, chunk, CHUNK, MAX_CHUNKS)
+        _fold_if_last(summary_ptr, sync_ptr, result_ptr, num_chunks, CHUNK, MAX_CHUNKS)
+
+
+@triton.jit
+def _mark_kernel(
+    table_ptr, row_stride, lens_ptr, num_rows, num_cols,
+    free_ptr, num_free, num_blocks,
+    used_mark_ptr, free_mark_ptr, blocks_per_seq_ptr, num_row_programs,
+    HAS_LENS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    FREE_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < num_row_programs:
+        _mark_rows(table_ptr, row_stride, lens_ptr, num_rows, num_cols, num_blocks, used_mark_ptr,
+                   blocks_per_seq_ptr, pid, HAS_LENS, EVEN, ROWS, COLS)
+    else:
+        _mark_free(free_ptr, num_free, num_blocks, free_mark_ptr, pid - num_row_programs, FREE_BLOCK)
+
+
+@triton.jit
+def _scan_kernel(
+    used_mark_ptr, free_mark_ptr, num_blocks, summary_ptr, sync_ptr, result_ptr, num_chunks,
+    CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+):
+    _scan_free(free_mark_ptr, num_blocks, summary_ptr, tl.program_id(0), CHUNK, MAX_CHUNKS)
+    _scan_used(used_mark_ptr, free_mark_ptr, num_blocks, summary_ptr, tl.program_id(0), CHUNK, MAX_CHUNKS)
+    _fold_if_last(summary_ptr, sync_ptr, result_ptr, num_chunks, CHUNK, MAX_CHUNKS)
 
 
 @dataclass(frozen=True)
@@ -219,12 +329,14 @@ class BlockStatsDevice:
 
 @dataclass(frozen=True)
 class StatsLaunchConfig:
-    rows: int = 4
-    cols: int = 1024
+    rows: int = 1  # table rows per row program
+    cols: int = 4096  # columns per loop step
     free_block: int = 1024
     chunk: int = 1024
-    mark_warps: int = 4
-    scan_warps: int = 4
+    mark_warps: int = 8  # the fused launch's warps too
+    scan_warps: int = 4  # two-launch form only
+    fused: bool = True
+    poll_with_load: bool = False  # fused: scan programs poll the counters with loads, not atomics
 
 
 class BlockStatsWorkspace:
@@ -242,16 +354,12 @@ class BlockStatsWorkspace:
         self.used_mark = torch.zeros(num_blocks, dtype=torch.int32, device=self.device)
         self.free_mark = torch.zeros(num_blocks, dtype=torch.int32, device=self.device)
         self.summary = torch.zeros(_SUMMARY_ROWS * self.max_chunks, dtype=torch.int32, device=self.device)
-        self.ticket = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._epoch = 0
+        self.sync = torch.zeros(_SYNC_LEN, dtype=torch.int32, device=self.device)
 
-    def next_epoch(self) -> int:
-        self._epoch += 1
-        if self._epoch > _EPOCH_LIMIT:
-            self.used_mark.zero_()
-            self.free_mark.zero_()
-            self._epoch = 1
-        return self._epoch
+    def reset(self) -> None:
+        """Back to a clean state after a launch was interrupted (a kernel error, say)."""
+        for buffer in (self.used_mark, self.free_mark, self.summary, self.sync):
+            buffer.zero_()
 
 
 def _check_int32(name: str, tensor: torch.Tensor, ndim: int, device: torch.device) -> None:
@@ -268,12 +376,14 @@ def block_stats_async(
     num_blocks_per_seq: torch.Tensor | None = None,
     out: BlockStatsDevice | None = None,
 ) -> BlockStatsDevice:
-    """Launch the statistics kernels on the current stream; nothing waits for them.
+    """Launch the statistics kernel(s) on the current stream; nothing waits for them.
 
     ``block_table``: int32 [num_seqs, max_blocks_per_seq], entries < 0 unused (vLLM's
     zero-padded table needs ``num_blocks_per_seq``, int32 [num_seqs], instead).
     ``free_block_ids``: int32 [num_free], the pool's free-block list in any order.
     ``out``: tensors to write into (reused across calls, or poisoned by tests).
+    With ``out`` given and contiguous inputs, the call allocates nothing and passes no
+    per-call value, so it can be captured in a CUDA graph and replayed on new contents.
     """
     device = workspace.device
     check_device(device)
@@ -298,26 +408,34 @@ def block_stats_async(
     elif out.blocks_per_seq.shape != (num_rows,) or out.totals.shape != (_RESULT_LEN,):
         raise ValueError("out tensors do not match the block table")
     blocks_per_seq, totals = out.blocks_per_seq, out.totals
-    epoch = workspace.next_epoch()
     row_programs = triton.cdiv(num_rows, cfg.rows)
-    free_programs = triton.cdiv(free_block_ids.shape[0], cfg.free_block)
-    grid_mark = row_programs + free_programs
-    if grid_mark > 0:
-        _mark_kernel[(grid_mark,)](
-            block_table, block_table.stride(0),
-            num_blocks_per_seq if num_blocks_per_seq is not None else blocks_per_seq,
-            num_rows, num_cols,
+    mark_programs = row_programs + triton.cdiv(free_block_ids.shape[0], cfg.free_block)
+    lens = num_blocks_per_seq if num_blocks_per_seq is not None else blocks_per_seq
+    has_lens = num_blocks_per_seq is not None
+    even = num_rows % cfg.rows == 0 and num_cols % cfg.cols == 0
+    if cfg.fused:
+        _stats_kernel[(mark_programs + workspace.num_chunks,)](
+            block_table, block_table.stride(0), lens, num_rows, num_cols,
             free_block_ids, free_block_ids.shape[0], workspace.num_blocks,
             workspace.used_mark, workspace.free_mark, blocks_per_seq,
-            epoch, row_programs,
-            HAS_LENS=num_blocks_per_seq is not None,
-            EVEN=num_rows % cfg.rows == 0 and num_cols % cfg.cols == 0,
-            ROWS=cfg.rows, COLS=cfg.cols, FREE_BLOCK=cfg.free_block,
+            workspace.summary, workspace.sync, totals,
+            row_programs, mark_programs, workspace.num_chunks,
+            HAS_LENS=has_lens, EVEN=even, ROWS=cfg.rows, COLS=cfg.cols,
+            FREE_BLOCK=cfg.free_block, CHUNK=cfg.chunk, MAX_CHUNKS=workspace.max_chunks,
+            POLL_WITH_LOAD=cfg.poll_with_load, num_warps=cfg.mark_warps,
+        )
+        return out
+    if mark_programs > 0:
+        _mark_kernel[(mark_programs,)](
+            block_table, block_table.stride(0), lens, num_rows, num_cols,
+            free_block_ids, free_block_ids.shape[0], workspace.num_blocks,
+            workspace.used_mark, workspace.free_mark, blocks_per_seq, row_programs,
+            HAS_LENS=has_lens, EVEN=even, ROWS=cfg.rows, COLS=cfg.cols, FREE_BLOCK=cfg.free_block,
             num_warps=cfg.mark_warps,
         )
     _scan_kernel[(workspace.num_chunks,)](
-        workspace.used_mark, workspace.free_mark, workspace.num_blocks, epoch,
-        workspace.summary, workspace.ticket, totals, workspace.num_chunks,
+        workspace.used_mark, workspace.free_mark, workspace.num_blocks,
+        workspace.summary, workspace.sync, totals, workspace.num_chunks,
         CHUNK=cfg.chunk, MAX_CHUNKS=workspace.max_chunks,
         num_warps=cfg.scan_warps,
     )
@@ -341,7 +459,7 @@ def block_stats(
 
 def stats_bytes_moved(block_table: torch.Tensor, free_block_ids: torch.Tensor, num_blocks: int,
                       num_blocks_per_seq: torch.Tensor | None = None) -> int:
-    """Bytes the two launches must read and write at the least (int32 everywhere)."""
+    """Bytes a call must read and write at the least (int32 everywhere)."""
     num_rows, num_cols = block_table.shape
     if num_blocks_per_seq is None:
         table_read = num_rows * num_cols
@@ -351,6 +469,6 @@ def stats_bytes_moved(block_table: torch.Tensor, free_block_ids: torch.Tensor, n
         table_read = int(lens.sum()) + num_rows
         valid = table_read - num_rows
     free = free_block_ids.shape[0]
-    mark_launch = 4 * (table_read + free + valid + free + num_rows)
-    scan_launch = 4 * (2 * num_blocks)
-    return mark_launch + scan_launch
+    marking = 4 * (table_read + free + num_rows + valid + free)
+    scanning = 4 * 2 * 2 * num_blocks  # both maps read, then cleared
+    return marking + scanning

@@ -17,6 +17,13 @@ so the engine's stream is never blocked:
 - ``zero_copy``: the same kernel writes straight into the pinned buffer through its
   mapped device address; no staging memory, but its programs stay resident on the SMs
   for the whole transfer.
+- ``copy_engine``: no kernel at all. Where the plan's tiles fall into a few evenly
+  spaced runs in memory (:attr:`SnapshotPlan.strided_runs`: a physical-block sample from
+  :func:`plan_block_sample`, or one block across layers spaced evenly), each run and part
+  is one pitched copy (``cudaMemcpy2DAsync``) done by the copy engines, so the engine's
+  kernels keep every SM. Irregular plans fall back to ``staged``.
+- ``dma_batch``: one ``cudaMemcpyBatchAsync`` of every tile segment, any selection;
+  also no SM work (an experiment: CUDA 12.8+ and cuda-bindings).
 
 The source is read while the engine may be writing: the tiles are as of some moment
 after :meth:`KvSnapshotter.snapshot` is called (the snapshot streams first wait for the
@@ -26,19 +33,24 @@ come back torn. A snapshot is evidence, not a checkpoint.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import _dma
 from kernels._launch import check_device, normalize_device
 
-SnapshotMode = Literal["staged", "zero_copy"]
+SnapshotMode = Literal["staged", "zero_copy", "copy_engine", "dma_batch"]
+_MODES = ("staged", "zero_copy", "copy_engine", "dma_batch")
 _MAX_UNIT_BYTES = 16  # one 16-byte vector per thread and access
+_MAX_PITCH = 2**31 - 1  # cudaDevAttrMaxPitch of current NVIDIA GPUs
 
 
 @triton.jit
@@ -77,6 +89,8 @@ class SnapshotPlan:
 
     tiles: torch.Tensor
     src_unit_offsets: torch.Tensor  # int64 [n] on the cache's device
+    src_units_host: torch.Tensor  # the same offsets on the host
+    src_groups_host: torch.Tensor  # int64 [n]: tiles of one group lie in one allocation
     base_layer: int
     part_stride_units: int
     parts: int
@@ -97,6 +111,42 @@ class SnapshotPlan:
     @property
     def nbytes(self) -> int:
         return self.num_tiles * self.tile_bytes
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.unit_words * _itemsize(self.word_dtype)
+
+    @property
+    def part_bytes(self) -> int:
+        return self.part_words * _itemsize(self.word_dtype)
+
+    @cached_property
+    def strided_runs(self) -> torch.Tensor:
+        """int64 [runs, 3]: first tile, tile count, source spacing in units.
+
+        Consecutive tiles whose sources lie the same distance apart (at least one part,
+        at most the largest copy pitch) in one allocation form a run: one pitched copy
+        per part moves it. (The driver refuses a pitched copy whose rows span two
+        allocations: seen on the H200 with layers allocated one by one.) Greedy from the
+        first tile; a lone tile is a run of one.
+        """
+        src = self.src_units_host.tolist()
+        group = self.src_groups_host.tolist()
+        min_gap = self.part_bytes // self.unit_bytes
+        max_gap = _MAX_PITCH // self.unit_bytes
+        runs: list[tuple[int, int, int]] = []
+        first = 0
+        while first < len(src):
+            end = first + 1
+            gap = src[end] - src[first] if end < len(src) else 0
+            if min_gap <= gap <= max_gap:
+                while end < len(src) and src[end] - src[end - 1] == gap and group[end] == group[first]:
+                    end += 1
+            else:
+                gap = 0
+            runs.append((first, end - first, gap))
+            first = end
+        return torch.tensor(runs, dtype=torch.int64).view(-1, 3)
 
 
 def _new_stream(device: torch.device) -> torch.cuda.Stream:
@@ -129,6 +179,16 @@ def _check_layers(kv_caches: Sequence[torch.Tensor], block_dim: int) -> None:
         raise ValueError("the data of one block must be contiguous (dims after block_dim)")
 
 
+def _check_selection(kv_caches: Sequence[torch.Tensor], layers: Sequence[int], stride: int, phase: int,
+                     block_dim: int) -> None:
+    _check_layers(kv_caches, block_dim)
+    if stride < 1 or not 0 <= phase < stride:
+        raise ValueError(f"need stride >= 1 and 0 <= phase < stride, got {stride}, {phase}")
+    for layer in layers:
+        if not 0 <= layer < len(kv_caches):
+            raise ValueError(f"layer {layer} is outside 0..{len(kv_caches) - 1}")
+
+
 def plan_snapshot(
     kv_caches: Sequence[torch.Tensor],
     block_table: torch.Tensor,
@@ -144,15 +204,8 @@ def plan_snapshot(
     Entries < 0 in ``block_table`` are unused; with ``num_blocks_per_seq`` only the first
     that many entries of a row count (vLLM's zero-padded table).
     """
-    _check_layers(kv_caches, block_dim)
-    if stride < 1 or not 0 <= phase < stride:
-        raise ValueError(f"need stride >= 1 and 0 <= phase < stride, got {stride}, {phase}")
-    num_layers = len(kv_caches)
-    for layer in layers:
-        if not 0 <= layer < num_layers:
-            raise ValueError(f"layer {layer} is outside 0..{num_layers - 1}")
-    first = kv_caches[0]
-    num_blocks = first.shape[block_dim]
+    _check_selection(kv_caches, layers, stride, phase, block_dim)
+    num_blocks = kv_caches[0].shape[block_dim]
     table = block_table.to("cpu", torch.int64)
     rows = torch.as_tensor(list(seq_rows), dtype=torch.int64)
     if rows.numel() and (rows.min() < 0 or rows.max() >= table.shape[0]):
@@ -174,7 +227,62 @@ def plan_snapshot(
         positions[sel_pos].repeat_interleave(n_layers),
         block_ids.repeat_interleave(n_layers),
     ], dim=1) if n_blocks and n_layers else torch.empty((0, 4), dtype=torch.int64)
+    return _plan_tiles(kv_caches, tiles, block_dim)
 
+
+def plan_block_sample(
+    kv_caches: Sequence[torch.Tensor],
+    layers: Sequence[int],
+    stride: int = 1,
+    phase: int = 0,
+    block_table: torch.Tensor | None = None,
+    num_blocks_per_seq: torch.Tensor | None = None,
+    block_dim: int = 1,
+) -> SnapshotPlan:
+    """Every ``stride``-th physical block of the pool (from ``phase``), in the given layers.
+
+    Tiles are ordered by (layer, block id), so each layer's sample lies evenly spaced in
+    memory and a ``copy_engine`` snapshot moves it with one pitched copy per part. The
+    sample does not follow sequences: free blocks are copied too. With ``block_table``
+    (and, for vLLM's zero-padded table, ``num_blocks_per_seq``) each tile names the row and
+    position of the first table entry that holds its block, else -1 and -1.
+    """
+    _check_selection(kv_caches, layers, stride, phase, block_dim)
+    num_blocks = kv_caches[0].shape[block_dim]
+    block_ids = torch.arange(phase, num_blocks, stride, dtype=torch.int64)
+    owner = torch.full((num_blocks,), -1, dtype=torch.int64)
+    if block_table is not None:
+        table = block_table.to("cpu", torch.int64)
+        cols = table.shape[1]
+        valid = (table >= 0) & (table < num_blocks)
+        if num_blocks_per_seq is not None:
+            valid &= torch.arange(cols)[None, :] < num_blocks_per_seq.to("cpu", torch.int64)[:, None]
+        row, pos = valid.nonzero(as_tuple=True)
+        first_entry = torch.full((num_blocks,), table.numel(), dtype=torch.int64)
+        first_entry.scatter_reduce_(0, table[row, pos], row * cols + pos, reduce="amin")
+        held = first_entry < table.numel()
+        owner[held] = first_entry[held]
+        cols_of = max(cols, 1)
+    else:
+        cols_of = 1
+    sampled_owner = owner[block_ids]
+    held = sampled_owner >= 0
+    owner_row = torch.where(held, sampled_owner // cols_of, -1)
+    owner_pos = torch.where(held, sampled_owner % cols_of, -1)
+    layer_ids = torch.as_tensor(list(layers), dtype=torch.int64)
+    n_blocks, n_layers = block_ids.numel(), layer_ids.numel()
+    tiles = torch.stack([
+        owner_row.repeat(n_layers),
+        layer_ids.repeat_interleave(n_blocks),
+        owner_pos.repeat(n_layers),
+        block_ids.repeat(n_layers),
+    ], dim=1) if n_blocks and n_layers else torch.empty((0, 4), dtype=torch.int64)
+    return _plan_tiles(kv_caches, tiles, block_dim)
+
+
+def _plan_tiles(kv_caches: Sequence[torch.Tensor], tiles: torch.Tensor, block_dim: int) -> SnapshotPlan:
+    first = kv_caches[0]
+    num_layers = len(kv_caches)
     esize = first.element_size()
     parts = math.prod(first.shape[:block_dim])
     part_elems = math.prod(first.shape[block_dim + 1:])
@@ -190,10 +298,15 @@ def plan_snapshot(
     word_bytes = _itemsize(word_dtype)
     layer_units = torch.as_tensor([(p - ptrs[base_layer]) // unit for p in ptrs], dtype=torch.int64)
     src = layer_units[tiles[:, 1]] + tiles[:, 3] * (block_stride_bytes // unit)
+    # Layers that are views of one tensor share an allocation; separate tensors may not.
+    storages = [layer.untyped_storage().data_ptr() for layer in kv_caches]
+    layer_groups = torch.as_tensor([storages.index(p) for p in storages], dtype=torch.int64)
     tile_shape = (*first.shape[:block_dim], *first.shape[block_dim + 1:])
     return SnapshotPlan(
         tiles=tiles,
         src_unit_offsets=src.to(first.device),
+        src_units_host=src,
+        src_groups_host=layer_groups[tiles[:, 1]],
         base_layer=base_layer,
         part_stride_units=part_stride_bytes // unit,
         parts=parts,
@@ -230,10 +343,59 @@ class Snapshot:
 @dataclass(frozen=True)
 class SnapshotConfig:
     mode: SnapshotMode = "staged"
-    staging_bytes: int = 32 << 20  # both slots together
+    staging_bytes: int = 32 << 20  # both slots together (copy_engine: for irregular plans)
     max_programs: int | None = None  # None: one program per tile of a chunk
     block_bytes: int = 8192  # bytes each program moves per loop step
     num_warps: int = 4
+    max_dma_copies: int = 4096  # copy_engine: more pitched copies than this -> staged
+
+
+_PitchedCopy = tuple[int, int, int, int, int, int]  # dst, dst pitch, src, src pitch, width, height
+
+
+def _pitched_copies(plan: SnapshotPlan, base: int, host: int) -> list[_PitchedCopy]:
+    tb, pb, ub = plan.tile_bytes, plan.part_bytes, plan.unit_bytes
+    src = plan.src_units_host.tolist()
+    copies = []
+    for first, count, gap in plan.strided_runs.tolist():
+        for p in range(plan.parts):
+            copies.append((host + first * tb + p * pb, tb, base + (src[first] + p * plan.part_stride_units) * ub,
+                           gap * ub if count > 1 else pb, pb, count))
+    return copies
+
+
+def _segments(plan: SnapshotPlan, base: int, host: int) -> tuple[list[int], list[int], list[int]]:
+    """Every part of every tile as its own copy: destinations, sources, sizes."""
+    tiles = torch.arange(plan.num_tiles, dtype=torch.int64)[:, None]
+    parts = torch.arange(plan.parts, dtype=torch.int64)[None, :]
+    dsts = host + tiles * plan.tile_bytes + parts * plan.part_bytes
+    srcs = base + (plan.src_units_host[:, None] + parts * plan.part_stride_units) * plan.unit_bytes
+    return dsts.flatten().tolist(), srcs.flatten().tolist(), [plan.part_bytes] * dsts.numel()
+
+
+class _CpuCopyEngine:
+    """The copy engine's job done by memmove on the CPU, with the bounds the device would fault on."""
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], host_bytes: torch.Tensor) -> None:
+        storages = [layer.untyped_storage() for layer in kv_caches]
+        self._sources = [(st.data_ptr(), st.data_ptr() + st.nbytes()) for st in storages]
+        self._host = (host_bytes.data_ptr(), host_bytes.data_ptr() + host_bytes.numel())
+
+    def copy(self, dst: int, src: int, size: int) -> None:
+        if not any(lo <= src and src + size <= hi for lo, hi in self._sources):
+            raise ValueError(f"copy source {src:#x}+{size} lies outside every layer")
+        if not (self._host[0] <= dst and dst + size <= self._host[1]):
+            raise ValueError(f"copy destination {dst:#x}+{size} lies outside the host buffer")
+        ctypes.memmove(dst, src, size)
+
+    def copy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int) -> None:
+        if width > dst_pitch or width > src_pitch or max(dst_pitch, src_pitch) > _MAX_PITCH:
+            raise ValueError(f"pitched copy of width {width} with pitches {dst_pitch}, {src_pitch}")
+        last = src + (height - 1) * src_pitch
+        if not any(lo <= src and last + width <= hi for lo, hi in self._sources):
+            raise ValueError(f"pitched copy from {src:#x} spans more than one allocation")
+        for row in range(height):
+            self.copy(dst + row * dst_pitch, src + row * src_pitch, width)
 
 
 class KvSnapshotter:
@@ -243,12 +405,13 @@ class KvSnapshotter:
         self.device = normalize_device(device)
         check_device(self.device)
         self.config = config or SnapshotConfig()
-        if self.config.mode not in ("staged", "zero_copy"):
+        if self.config.mode not in _MODES:
             raise ValueError(f"unknown snapshot mode {self.config.mode!r}")
         self._cuda = self.device.type == "cuda"
+        self.row_copy_fallbacks = 0  # pitched copies the driver refused, done row by row
         slot_bytes = max(self.config.staging_bytes // 2, _MAX_UNIT_BYTES)
         self._slots: list[torch.Tensor] = []
-        if self.config.mode == "staged":
+        if self.config.mode in ("staged", "copy_engine"):
             self._slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
         if self._cuda:
             self._gather_stream = _new_stream(self.device)
@@ -258,6 +421,12 @@ class KvSnapshotter:
 
     def allocate_host(self, plan: SnapshotPlan) -> torch.Tensor:
         return torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+
+    def uses_copy_engine(self, plan: SnapshotPlan) -> bool:
+        """Whether :meth:`snapshot` moves ``plan`` without any kernel."""
+        if self.config.mode == "dma_batch":
+            return True
+        return self.config.mode == "copy_engine" and len(plan.strided_runs) * plan.parts <= self.config.max_dma_copies
 
     def _launch(self, plan: SnapshotPlan, source: torch.Tensor, dst: torch.Tensor, first: int, count: int) -> None:
         word_bytes = _itemsize(plan.word_dtype)
@@ -288,12 +457,17 @@ class KvSnapshotter:
         if plan.num_tiles == 0:
             return Snapshot(plan, host_bytes[: plan.nbytes], None)
         if not self._cuda:
-            self._run_on_cpu(plan, source, words)
+            self._run_on_cpu(plan, kv_caches, source, host_bytes)
             return Snapshot(plan, host_bytes[: plan.nbytes], None)
         caller = torch.cuda.current_stream(self.device)
+        done = _new_event()
+        if self.uses_copy_engine(plan):
+            self._copy_stream.wait_stream(caller)
+            self._dma(plan, base.data_ptr(), host_bytes.data_ptr())
+            done.record(self._copy_stream)
+            return Snapshot(plan, host_bytes[: plan.nbytes], done)
         self._gather_stream.wait_stream(caller)
         plan.src_unit_offsets.record_stream(self._gather_stream)
-        done = _new_event()
         if self.config.mode == "zero_copy":
             with torch.cuda.stream(self._gather_stream):
                 self._launch(plan, source, words, 0, plan.num_tiles)
@@ -303,6 +477,15 @@ class KvSnapshotter:
             self._staged(plan, source, host_bytes)
             done.record(self._copy_stream)
         return Snapshot(plan, host_bytes[: plan.nbytes], done)
+
+    def _dma(self, plan: SnapshotPlan, base: int, host: int) -> None:
+        stream = self._copy_stream.cuda_stream
+        if self.config.mode == "dma_batch":
+            _dma.copy_batch_to_host(*_segments(plan, base, host), stream)
+            return
+        for copy in _pitched_copies(plan, base, host):
+            if not _dma.copy_2d_to_host(*copy, stream):
+                self.row_copy_fallbacks += 1
 
     def _chunks(self, plan: SnapshotPlan) -> list[tuple[int, int]]:
         per_chunk = max(1, self._slots[0].numel() // plan.tile_bytes)
@@ -324,8 +507,20 @@ class KvSnapshotter:
                 host_bytes[first * tb:(first + count) * tb].copy_(slot[: count * tb], non_blocking=True)
             self._copied[k].record(self._copy_stream)
 
-    def _run_on_cpu(self, plan: SnapshotPlan, source: torch.Tensor, words: torch.Tensor) -> None:
-        # Triton's interpreter: same kernel, same chunking, no streams.
+    def _run_on_cpu(self, plan: SnapshotPlan, kv_caches: Sequence[torch.Tensor], source: torch.Tensor,
+                    host_bytes: torch.Tensor) -> None:
+        # Triton's interpreter and memmove: same kernel, chunking and copy list, no streams.
+        words = host_bytes[: plan.nbytes].view(plan.word_dtype)
+        if self.uses_copy_engine(plan):
+            engine = _CpuCopyEngine(kv_caches, host_bytes[: plan.nbytes])
+            base, host = kv_caches[plan.base_layer].data_ptr(), host_bytes.data_ptr()
+            if self.config.mode == "dma_batch":
+                for dst, src, size in zip(*_segments(plan, base, host), strict=True):
+                    engine.copy(dst, src, size)
+            else:
+                for copy in _pitched_copies(plan, base, host):
+                    engine.copy_2d(*copy)
+            return
         if self.config.mode == "zero_copy":
             self._launch(plan, source, words, 0, plan.num_tiles)
             return
