@@ -27,7 +27,7 @@ from services.executor import engine_control_protocol as protocol
 _APPLY_WAIT_S = 2.0
 
 
-class ScenarioLimitError(ValueError):
+class ScenarioLimitError(protocol.LimitError):
     """A limit outside what this engine can take (answered INVALID_ARGUMENT)."""
 
 

@@ -122,9 +122,6 @@ def python_env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def service_module(name: str) -> str:
-    if name == "capture":
-        # Tags NVML samples with the engine on that GPU while capture's own wiring does not (see the module).
-        return "scenarios.h200_oom.capture_for_engine"
     return f"services.{name}.main"
 
 

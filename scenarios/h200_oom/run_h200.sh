@@ -22,7 +22,7 @@ LD_LIBRARY_PATH=/tmp/redis/lib /tmp/redis/bin/redis-server --version || { echo "
 {
   nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
   python3 -c 'import torch, grpc, google.protobuf as pb; print("torch", torch.__version__, "grpc", grpc.__version__, "protobuf", pb.__version__)'
-  python3 -c 'import services.capture.main, services.decision.main, services.executor.main, scenarios.h200_oom.capture_for_engine; print("services import")'
+  python3 -c 'import services.capture.main, services.decision.main, services.executor.main; print("services import")'
 } 2>&1 | tee "$OUT/run.log"
 python3 -c 'import services.executor.main, services.decision.main, services.capture.main' || { echo "services do not import"; exit 5; }
 echo "setup took $(( $(date +%s) - START )) s" | tee -a "$OUT/run.log"

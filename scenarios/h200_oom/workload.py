@@ -31,14 +31,13 @@ import os
 import random
 import sys
 import time
-import types
 from concurrent import futures
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from scenarios.h200_oom.batching import EngineControl, EngineShape, Request, ScenarioLimitError, Scheduler
+from scenarios.h200_oom.batching import EngineControl, EngineShape, Request, Scheduler
 from scenarios.h200_oom.files import wait_for_file, write_json
 from scenarios.h200_oom.model import LLAMA_8B, TINY, KvCache, LlamaModel, release
 
@@ -51,42 +50,10 @@ SHAPES = {"llama8b": LLAMA_8B, "tiny": TINY}
 
 
 def start_engine_control(control: EngineControl, address: str) -> Any:
-    """The executor's engine-control server around this engine.
-
-    `control_server.py` maps its scheduler's `LimitError` to INVALID_ARGUMENT and
-    imports it from the vLLM plugin module, which imports vLLM. Where vLLM is not
-    installed (the H200 image), that module is stood in for by one holding only
-    the error class, so the server code itself runs unmodified.
-    """
-    name = "services.executor.vllm_plugin.scheduler"
-    limit_error: type[ValueError]
-    try:
-        from services.executor.vllm_plugin.scheduler import LimitError
-
-        limit_error = LimitError
-    except ImportError:
-        stand_in = types.ModuleType(name)
-        stand_in.LimitError = ScenarioLimitError  # type: ignore[attr-defined]
-        sys.modules[name] = stand_in
-        limit_error = ScenarioLimitError
+    """The executor's engine-control server (the one inside vLLM) around this engine."""
     from services.executor.vllm_plugin.control_server import start_control_server
 
-    class ControlFacade:
-        """The scheduler-shaped object the control server calls; raises the error class it catches."""
-
-        def control_state(self) -> dict[str, Any]:
-            return control.control_state()
-
-        def set_limits(self, limits: dict[str, Any]) -> dict[str, Any]:
-            try:
-                return control.set_limits(limits)
-            except ScenarioLimitError as error:
-                raise limit_error(str(error)) from error
-
-        def list_requests(self) -> list[dict[str, Any]]:
-            return control.list_requests()
-
-    return start_control_server(ControlFacade(), address)  # type: ignore[arg-type]
+    return start_control_server(control, address)  # type: ignore[arg-type]
 
 
 def start_get_loads(control: EngineControl, address: str) -> Any:

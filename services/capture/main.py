@@ -39,6 +39,9 @@ def build_sources(settings: CaptureSettings) -> list[Source]:
             NvmlSource(
                 hz=settings.nvml_hz,
                 host=settings.host_name,
+                # One capture per engine host: GPU samples are about the engine that runs there, so the
+                # decision sees memory and engine load in one window and names an engine it can act on.
+                engine=settings.engine_name,
                 engine_pids=frozenset(settings.engine_pids),
             )
         )

@@ -59,3 +59,7 @@ def priority_tier_of_request_id(request_id: str) -> int:
     if len(prefix) == 3 and prefix[2] in "-_:" and prefix[:2] in PRIORITY_PREFIXES:
         return PRIORITY_PREFIXES[prefix[:2]]
     return LOWEST_TIER
+
+
+class LimitError(ValueError):
+    """A limit the engine cannot take; the control server answers INVALID_ARGUMENT with it."""

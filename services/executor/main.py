@@ -45,6 +45,7 @@ def build_executor(
             control=EngineControlClient(endpoints.control_addr),
             engine=VllmEngineClient(endpoints.engine_addr),
             envoy_cluster=endpoints.envoy_cluster,
+            gpu_uuid=endpoints.gpu_uuid,
         )
         for name, endpoints in settings.executor_targets.items()
     }

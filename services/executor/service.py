@@ -61,6 +61,8 @@ class EngineTarget:
     engine: VllmEngineClient
     envoy_cluster: str = "vllm"
     info: domain.EngineInfo | None = None
+    # The GPU the engine runs on: GPU-level commands (engine "") name the GPU, not the engine.
+    gpu_uuid: str = ""
 
 
 @dataclass
@@ -85,6 +87,7 @@ class Executor:
         Raises InvalidCommand (nothing applied, nothing published: the caller
         decides), StateUnavailable (Redis down: retry later), LeaseHeld.
         """
+        self._resolve_gpu_level(command)
         reasons = domain.validate_command(command, self.targets.keys())
         if reasons:
             raise InvalidCommand(reasons)
@@ -102,6 +105,15 @@ class Executor:
             return await self._apply_under_lease(command, lease)
         finally:
             await self.state.release_lease(lease)
+
+    def _resolve_gpu_level(self, command: events_pb2.HealingCommand) -> None:
+        """Point a GPU-level command (a MIG plan, pressure) at the one engine on that GPU."""
+        target = command.meta.target
+        if target.engine or not target.gpu_uuid:
+            return
+        on_gpu = [name for name, t in self.targets.items() if t.gpu_uuid == target.gpu_uuid]
+        if len(on_gpu) == 1:
+            target.engine = on_gpu[0]
 
     async def rollback(
         self, action_id: str, *, reason: str = "", command: events_pb2.HealingCommand | None = None

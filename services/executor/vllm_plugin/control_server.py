@@ -20,13 +20,11 @@ if TYPE_CHECKING:
 
 
 def start_control_server(scheduler: SitsScheduler, address: str) -> grpc.Server:
-    from services.executor.vllm_plugin.scheduler import LimitError
-
     def unary(handler: Callable[[dict[str, Any]], Any]) -> grpc.RpcMethodHandler[Any, Any]:
         def behaviour(request: dict[str, Any], context: grpc.ServicerContext) -> dict[str, Any]:
             try:
                 result = handler(request)
-            except LimitError as error:
+            except protocol.LimitError as error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             return result if isinstance(result, dict) else {"items": result}
 

@@ -43,15 +43,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from services.executor import engine_control_protocol as protocol
+from services.executor.engine_control_protocol import LimitError
 
 logger = logging.getLogger("sits.scheduler")
 
 _PAUSED_IDLE_WAIT_S = 0.01
 _APPLY_WAIT_S = 2.0
-
-
-class LimitError(ValueError):
-    pass
 
 
 class SitsScheduler(Scheduler):
