@@ -19,6 +19,7 @@ from services.capture.sources.replay import ReplaySource
 from services.capture.sources.vllm_grpc import VllmGrpcSource
 from services.capture.sources.vllm_metrics import VllmMetricsSource
 from services.capture.spool import Spool
+from services.capture.traces import TraceTarget
 from sits.runtime.clock import SystemClock
 from sits.runtime.events import Topics
 from sits.runtime.grpcserver import GrpcServer, read_token
@@ -65,7 +66,15 @@ def build_sources(settings: CaptureSettings) -> list[Source]:
             )
         )
     if settings.replay_trace is not None:
-        sources.append(ReplaySource(settings.replay_trace, speed=settings.replay_speed, loop=settings.replay_loop))
+        as_engine = TraceTarget(settings.host_name, settings.engine_gpu_uuid, "", settings.engine_name)
+        sources.append(
+            ReplaySource(
+                settings.replay_trace,
+                speed=settings.replay_speed,
+                loop=settings.replay_loop,
+                target=as_engine if settings.replay_as_engine else None,
+            )
+        )
     return sources
 
 

@@ -28,6 +28,11 @@ class CaptureSettings(Settings):
     replay_trace: Path | None = Field(None, description="Replay this SITS trace v1 file as a source (demos, tests).")
     replay_speed: float = Field(1.0, gt=0, le=1000, description="Replay speed: 1 real time, 10 ten times faster.")
     replay_loop: bool = Field(False, description="Start the trace again when it ends.")
+    replay_as_engine: bool = Field(
+        False,
+        description="Replay the trace as this capture's own engine (SITS_ENGINE_NAME on SITS_ENGINE_GPU_UUID), so "
+        "SITS acts on a live engine while memory follows a recorded one.",
+    )
     spool_dir: Path = Field(Path("/var/lib/sits/capture-spool"), description="Durable spool for unpublished events.")
     spool_max_bytes: int = Field(
         256 << 20, ge=4096, description="Spool bound; metric samples are dropped oldest-first past it, OOMs never."

@@ -108,7 +108,7 @@ def plot_timeline(timeline: Timeline, path: Path, title: str = "SITS demo") -> N
     ax_ttft.grid(alpha=0.3, which="both")
 
     if timeline.requests:
-        end = int(max(r.t for r in timeline.requests)) + 1
+        end = max(1, int(max(r.t for r in timeline.requests)) + 1)
         served = Counter(int(r.t) for r in timeline.requests if r.status == "OK")
         shed = Counter(int(r.t) for r in timeline.requests if r.status in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"))
         other = Counter(
@@ -125,6 +125,7 @@ def plot_timeline(timeline: Timeline, path: Path, title: str = "SITS demo") -> N
             alpha=0.8,
         )
         ax_req.legend(loc="upper left", fontsize=8)
+    ax_req.set_xlim(left=0)
     ax_req.set_ylabel("requests started / s")
     ax_req.set_xlabel("seconds since start")
     ax_req.grid(alpha=0.3)

@@ -82,6 +82,13 @@ class Timeline:
     # The full target of each name seen, for calls that need it (Explain).
     targets: dict[str, common_pb2.Target] = field(default_factory=dict)
 
+    def restart_clock(self) -> None:
+        """Count time from now (the start of load) and forget what was recorded before it."""
+        self.started = time.time()
+        self.started_mono = time.monotonic()
+        for series in (self.samples, self.forecasts, self.actions, self.verdicts, self.requests):
+            series.clear()
+
     def rel(self, wall: float) -> float:
         return wall - self.started
 
