@@ -38,12 +38,8 @@ def result_from_raw(raw: dict[str, object], measured_at: str, command: str) -> d
             "seconds_per_rate": raw["seconds_per_rate"],
         },
         "baseline": {
-            "asyncio_loop_without_nvml_cpu_pct_10hz": round(
-                runs["10hz"]["baseline_loop_without_nvml"]["cpu_pct"], 3
-            ),
-            "asyncio_loop_without_nvml_cpu_pct_100hz": round(
-                runs["100hz"]["baseline_loop_without_nvml"]["cpu_pct"], 3
-            ),
+            "asyncio_loop_without_nvml_cpu_pct_10hz": round(runs["10hz"]["baseline_loop_without_nvml"]["cpu_pct"], 3),
+            "asyncio_loop_without_nvml_cpu_pct_100hz": round(runs["100hz"]["baseline_loop_without_nvml"]["cpu_pct"], 3),
         },
         "goal": {"cpu_pct_per_gpu_100hz": 1.0},
         "notes": raw["mode"],

@@ -46,8 +46,10 @@ TOTAL = 143771 * 1024 * 1024
 def make_samples(targets: int, seconds: float, seed: int) -> list[Sample]:
     rng = random.Random(seed)
     out: list[Sample] = []
-    specs = [(Target("bench", f"GPU-{i // 4}", "", f"vllm-{i}"), rng.uniform(0.4, 0.8), rng.uniform(-0.001, 0.002))
-             for i in range(targets)]
+    specs = [
+        (Target("bench", f"GPU-{i // 4}", "", f"vllm-{i}"), rng.uniform(0.4, 0.8), rng.uniform(-0.001, 0.002))
+        for i in range(targets)
+    ]
     steps = int(seconds * 10)
     for step in range(steps):
         t = 1_800_000_000.0 + step * 0.1
@@ -55,15 +57,27 @@ def make_samples(targets: int, seconds: float, seed: int) -> list[Sample]:
             frac = min(0.999, max(0.01, base + slope * step * 0.1 + rng.gauss(0, 0.005)))
             used = int(frac * TOTAL)
             reserved = int(used * 0.95)
-            out.append(Sample(
-                target=target, t=t, event_id=f"{index}-{step}", source="capture/nvml", sequence=step + 1,
-                gpu=GpuMemory(used, TOTAL, 0, TOTAL - used, 80.0),
-                processes=(ProcessMemory(1000 + index, used, "vllm", True),),
-                engine=EngineLoad(kv_cache_usage=min(1.0, frac), num_requests_running=32, num_requests_waiting=4,
-                                  tokens_in_flight=40_000, kv_blocks_total=20_000, kv_blocks_used=int(20_000 * frac),
-                                  block_size=16),
-                allocator=AllocatorStats(int(reserved * 0.9), reserved, int(reserved * 0.02)),
-            ))
+            out.append(
+                Sample(
+                    target=target,
+                    t=t,
+                    event_id=f"{index}-{step}",
+                    source="capture/nvml",
+                    sequence=step + 1,
+                    gpu=GpuMemory(used, TOTAL, 0, TOTAL - used, 80.0),
+                    processes=(ProcessMemory(1000 + index, used, "vllm", True),),
+                    engine=EngineLoad(
+                        kv_cache_usage=min(1.0, frac),
+                        num_requests_running=32,
+                        num_requests_waiting=4,
+                        tokens_in_flight=40_000,
+                        kv_blocks_total=20_000,
+                        kv_blocks_used=int(20_000 * frac),
+                        block_size=16,
+                    ),
+                    allocator=AllocatorStats(int(reserved * 0.9), reserved, int(reserved * 0.02)),
+                )
+            )
     return out
 
 
@@ -75,8 +89,7 @@ def percentile(values: list[float], q: float) -> float:
 def run_engine(samples: list[Sample]) -> tuple[list[float], float, int]:
     clock = ManualClock(1_800_000_000.0)
     profiles = {s.target.engine: EngineProfile(known_model("llama-3-8b")) for s in samples[:1000]}
-    engine = DecisionEngine(parse_policy((ROOT / "services/decision/default_policy.yaml").read_text()), clock,
-                            profiles)
+    engine = DecisionEngine(parse_policy((ROOT / "services/decision/default_policy.yaml").read_text()), clock, profiles)
     latencies = []
     commands = 0
     perf = time.perf_counter_ns
@@ -116,8 +129,11 @@ def main() -> int:
         del decoded
 
     clock = ManualClock(1_800_000_000.0)
-    engine = DecisionEngine(parse_policy((ROOT / "services/decision/default_policy.yaml").read_text()), clock,
-                            {s.target.engine: EngineProfile(known_model("llama-3-8b")) for s in samples[:1000]})
+    engine = DecisionEngine(
+        parse_policy((ROOT / "services/decision/default_policy.yaml").read_text()),
+        clock,
+        {s.target.engine: EngineProfile(known_model("llama-3-8b")) for s in samples[:1000]},
+    )
     for sample in samples[: args.targets * 50]:
         engine.observe(sample)
     admit_us = []

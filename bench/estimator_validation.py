@@ -25,8 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def measure() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "raw.json"
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "estimator.py"), "--out", str(out)],
-                       check=True)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "estimator.py"), "--out", str(out)], check=True)
         raw: dict[str, Any] = json.loads(out.read_text())
         return raw
 
@@ -40,23 +39,26 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         naive = estimate["weights_bytes"] + estimate["kv_bytes"]
         naive_error = (naive - measured["peak_allocated_bytes"]) / measured["peak_allocated_bytes"]
         naive_errors.append(abs(naive_error))
-        models.append({
-            "model": case["model"],
-            "batch": case["batch"],
-            "seq_len": case["prompt_len"] + case["new_tokens"],
-            "prefill_chunk_tokens": case["prefill_chunk_tokens"],
-            "estimate_gib": round(estimate["allocator_bytes"] / 2**30, 3),
-            "peak_allocated_gib": round(measured["peak_allocated_bytes"] / 2**30, 3),
-            "peak_reserved_gib": round(measured["peak_reserved_bytes"] / 2**30, 3),
-            "nvml_process_gib": None if measured["nvml_process_bytes"] is None
-            else round(measured["nvml_process_bytes"] / 2**30, 3),
-            "rel_error_allocated": round(case["rel_error_allocated"], 5),
-            "rel_error_reserved": round(case["rel_error_reserved"], 5),
-            "rel_error_nvml": None if case["rel_error_nvml"] is None else round(case["rel_error_nvml"], 5),
-            "rel_error_weights": round(case["rel_error_weights"], 5),
-            "rel_error_kv": round(case["rel_error_kv"], 5),
-            "naive_rel_error": round(naive_error, 5),
-        })
+        models.append(
+            {
+                "model": case["model"],
+                "batch": case["batch"],
+                "seq_len": case["prompt_len"] + case["new_tokens"],
+                "prefill_chunk_tokens": case["prefill_chunk_tokens"],
+                "estimate_gib": round(estimate["allocator_bytes"] / 2**30, 3),
+                "peak_allocated_gib": round(measured["peak_allocated_bytes"] / 2**30, 3),
+                "peak_reserved_gib": round(measured["peak_reserved_bytes"] / 2**30, 3),
+                "nvml_process_gib": None
+                if measured["nvml_process_bytes"] is None
+                else round(measured["nvml_process_bytes"] / 2**30, 3),
+                "rel_error_allocated": round(case["rel_error_allocated"], 5),
+                "rel_error_reserved": round(case["rel_error_reserved"], 5),
+                "rel_error_nvml": None if case["rel_error_nvml"] is None else round(case["rel_error_nvml"], 5),
+                "rel_error_weights": round(case["rel_error_weights"], 5),
+                "rel_error_kv": round(case["rel_error_kv"], 5),
+                "naive_rel_error": round(naive_error, 5),
+            }
+        )
     return {
         "name": "estimator_validation",
         "measured_at": raw["measured_at"],

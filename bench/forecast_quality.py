@@ -56,12 +56,16 @@ class SyntheticTrace:
 
 def _sample(t: float, frac: float) -> dict[str, Any]:
     used = int(max(0.0, min(1.0, frac)) * TOTAL)
-    return {"t": round(t, 4), "kind": "sample", "gpu": {"used_bytes": used, "total_bytes": TOTAL,
-                                                       "free_bytes": TOTAL - used}}
+    return {
+        "t": round(t, 4),
+        "kind": "sample",
+        "gpu": {"used_bytes": used, "total_bytes": TOTAL, "free_bytes": TOTAL - used},
+    }
 
 
-def _trace(name: str, kind: str, shape: Any, duration: float, hz: float, noise: float,
-           rng: random.Random, oom: bool) -> SyntheticTrace:
+def _trace(
+    name: str, kind: str, shape: Any, duration: float, hz: float, noise: float, rng: random.Random, oom: bool
+) -> SyntheticTrace:
     records = []
     dt = 1.0 / hz
     n = int(duration * hz)
@@ -70,8 +74,16 @@ def _trace(name: str, kind: str, shape: Any, duration: float, hz: float, noise: 
         frac = shape(t) + rng.gauss(0.0, noise)
         if oom and frac >= 1.0:
             records.append(_sample(t, 1.0))
-            records.append({"t": round(t + 0.01, 4), "kind": "oom", "requested_bytes": 2 << 30,
-                            "device_free_bytes": 0, "device_total_bytes": TOTAL, "message": "CUDA out of memory"})
+            records.append(
+                {
+                    "t": round(t + 0.01, 4),
+                    "kind": "oom",
+                    "requested_bytes": 2 << 30,
+                    "device_free_bytes": 0,
+                    "device_total_bytes": TOTAL,
+                    "message": "CUDA out of memory",
+                }
+            )
             break
         records.append(_sample(t, min(frac, 0.999)))
     return SyntheticTrace(name, kind, records, oom)
@@ -86,40 +98,99 @@ def synthetic(seed: int, per_kind: int) -> list[SyntheticTrace]:
         # Ramp: a steady climb to OOM in 20 s .. 5 min.
         start, secs = rng.uniform(0.3, 0.7), rng.uniform(20, 300)
         rate = (1.0 - start) / secs
-        traces.append(_trace(f"ramp-{i}", "ramp", lambda t, s=start, r=rate: s + r * max(0.0, t - w), w + secs + 5,
-                             rng.choice([1.0, 10.0, 20.0]), rng.uniform(0.0, 0.01), rng, True))
+        traces.append(
+            _trace(
+                f"ramp-{i}",
+                "ramp",
+                lambda t, s=start, r=rate: s + r * max(0.0, t - w),
+                w + secs + 5,
+                rng.choice([1.0, 10.0, 20.0]),
+                rng.uniform(0.0, 0.01),
+                rng,
+                True,
+            )
+        )
         # Fast ramp after a quiet minute: OOM 6 .. 15 s after the climb starts.
         base, secs = rng.uniform(0.4, 0.7), rng.uniform(6, 15)
         onset = 60.0
-        traces.append(_trace(f"fast-ramp-{i}", "fast_ramp",
-                             lambda t, b=base, s=secs, o=onset: b if t < o else b + (1.0 - b) * (t - o) / s,
-                             onset + secs + 5, 10.0, rng.uniform(0.0, 0.005), rng, True))
+        traces.append(
+            _trace(
+                f"fast-ramp-{i}",
+                "fast_ramp",
+                lambda t, b=base, s=secs, o=onset: b if t < o else b + (1.0 - b) * (t - o) / s,
+                onset + secs + 5,
+                10.0,
+                rng.uniform(0.0, 0.005),
+                rng,
+                True,
+            )
+        )
         # Staircase: a step every few seconds until OOM.
         base, step, every = rng.uniform(0.4, 0.6), rng.uniform(0.04, 0.1), rng.uniform(3, 10)
-        traces.append(_trace(f"steps-{i}", "step",
-                             lambda t, b=base, s=step, e=every: b + s * math.floor(max(0.0, t - w) / e), 400,
-                             10.0,
-                             rng.uniform(0.0, 0.005), rng, True))
+        traces.append(
+            _trace(
+                f"steps-{i}",
+                "step",
+                lambda t, b=base, s=step, e=every: b + s * math.floor(max(0.0, t - w) / e),
+                400,
+                10.0,
+                rng.uniform(0.0, 0.005),
+                rng,
+                True,
+            )
+        )
         # Sawtooth over a leak: allocate/free cycles whose floor creeps up.
-        base, amp, period, secs = rng.uniform(0.4, 0.6), rng.uniform(0.05, 0.15), rng.uniform(0.5, 10), \
-            rng.uniform(60, 240)
+        base, amp, period, secs = (
+            rng.uniform(0.4, 0.6),
+            rng.uniform(0.05, 0.15),
+            rng.uniform(0.5, 10),
+            rng.uniform(60, 240),
+        )
         leak = (1.0 - base - amp) / secs
-        traces.append(_trace(f"sawtooth-leak-{i}", "sawtooth",
-                             lambda t, b=base, a=amp, p=period, k=leak: b + k * max(0.0, t - w) + a * ((t % p) / p),
-                             w + secs + 20, 10.0, rng.uniform(0.0, 0.005), rng, True))
+        traces.append(
+            _trace(
+                f"sawtooth-leak-{i}",
+                "sawtooth",
+                lambda t, b=base, a=amp, p=period, k=leak: b + k * max(0.0, t - w) + a * ((t % p) / p),
+                w + secs + 20,
+                10.0,
+                rng.uniform(0.0, 0.005),
+                rng,
+                True,
+            )
+        )
         # No OOM: noisy plateau.
         level, noise = rng.uniform(0.5, 0.86), rng.uniform(0.002, 0.02)
         traces.append(_trace(f"plateau-{i}", "noisy_plateau", lambda t, v=level: v, 300, 10.0, noise, rng, False))
         # No OOM: stable sawtooth, peaks below 93%.
         base, amp, period = rng.uniform(0.4, 0.6), rng.uniform(0.1, 0.3), rng.uniform(0.3, 20)
         amp = min(amp, 0.93 - base)
-        traces.append(_trace(f"sawtooth-{i}", "sawtooth_stable",
-                             lambda t, b=base, a=amp, p=period: b + a * ((t % p) / p), 300, 10.0,
-                             rng.uniform(0.0, 0.005), rng, False))
+        traces.append(
+            _trace(
+                f"sawtooth-{i}",
+                "sawtooth_stable",
+                lambda t, b=base, a=amp, p=period: b + a * ((t % p) / p),
+                300,
+                10.0,
+                rng.uniform(0.0, 0.005),
+                rng,
+                False,
+            )
+        )
         # No OOM: one step up (a model load), then flat.
         low, high, at = rng.uniform(0.2, 0.5), rng.uniform(0.6, 0.88), rng.uniform(20, 100)
-        traces.append(_trace(f"step-{i}", "single_step", lambda t, lo=low, hi=high, a=at: lo if t < a else hi,
-                             300, 10.0, rng.uniform(0.0, 0.005), rng, False))
+        traces.append(
+            _trace(
+                f"step-{i}",
+                "single_step",
+                lambda t, lo=low, hi=high, a=at: lo if t < a else hi,
+                300,
+                10.0,
+                rng.uniform(0.0, 0.005),
+                rng,
+                False,
+            )
+        )
     return traces
 
 
@@ -132,9 +203,9 @@ def recorded(directory: Path) -> Iterator[SyntheticTrace]:
         total = trace.header.total_bytes
         oom = any(r.get("kind") == "oom" for r in records) or any(
             r.get("kind") == "sample" and r.get("gpu") and total and r["gpu"].get("used_bytes", 0) >= total
-            for r in records)
-        yield SyntheticTrace(path.name, "recorded", records, oom,
-                             target_from_header(trace.header.target.to_json()))
+            for r in records
+        )
+        yield SyntheticTrace(path.name, "recorded", records, oom, target_from_header(trace.header.target.to_json()))
 
 
 def oom_time(trace: SyntheticTrace) -> float | None:
@@ -182,10 +253,19 @@ def score(traces: list[SyntheticTrace], policy_text: str) -> dict[str, Any]:
         oom_t = oom_time(trace) if trace.oom else None
         lead = None if oom_t is None else (0.0 if warn is None or warn > oom_t else oom_t - warn)
         base_lead = None if oom_t is None else (0.0 if base is None or base > oom_t else oom_t - base)
-        rows.append({"name": trace.name, "kind": trace.kind, "oom": trace.oom, "warning_t": warn,
-                     "oom_t": oom_t, "lead_s": lead, "baseline_lead_s": base_lead,
-                     "false_alarm": (not trace.oom) and warn is not None,
-                     "baseline_false_alarm": (not trace.oom) and base is not None})
+        rows.append(
+            {
+                "name": trace.name,
+                "kind": trace.kind,
+                "oom": trace.oom,
+                "warning_t": warn,
+                "oom_t": oom_t,
+                "lead_s": lead,
+                "baseline_lead_s": base_lead,
+                "false_alarm": (not trace.oom) and warn is not None,
+                "baseline_false_alarm": (not trace.oom) and base is not None,
+            }
+        )
     elapsed = time.perf_counter() - started
     return {"rows": rows, "samples": samples, "elapsed_s": elapsed}
 
@@ -201,8 +281,11 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "lead_min_s": round(min(leads), 2) if leads else None,
         "no_oom_traces": len(clean),
         "false_alarms": sum(1 for r in clean if r["false_alarm"]),
-        "baseline_lead_ge_2s_fraction": round(sum(1 for r in oom_rows if r["baseline_lead_s"] >= 2.0)
-                                              / len(oom_rows), 4) if oom_rows else None,
+        "baseline_lead_ge_2s_fraction": round(
+            sum(1 for r in oom_rows if r["baseline_lead_s"] >= 2.0) / len(oom_rows), 4
+        )
+        if oom_rows
+        else None,
         "baseline_false_alarms": sum(1 for r in clean if r["baseline_false_alarm"]),
     }
 
@@ -231,8 +314,9 @@ def main() -> int:
     figures: dict[str, Any] = {
         **{k: v for k, v in overall.items() if not k.startswith("baseline")},
         "synthetic": summarise(synth_result["rows"]),
-        "recorded": summarise(real_result["rows"]) if real else {"oom_traces": 0, "no_oom_traces": 0,
-                                                                 "note": f"no traces in {args.traces}"},
+        "recorded": summarise(real_result["rows"])
+        if real
+        else {"oom_traces": 0, "no_oom_traces": 0, "note": f"no traces in {args.traces}"},
         "by_kind": by_kind,
         "samples_replayed": synth_result["samples"] + real_result["samples"],
     }
@@ -249,13 +333,16 @@ def main() -> int:
         },
         "goal": {"lead_ge_2s_fraction": 0.95, "false_alarms": 0},
         "notes": "warning = first command of the default policy; OOM traces that no warning preceded count "
-                 f"with lead 0; synthetic OOM traces start with {WARMUP_S:.0f} s of steady history (the policy's "
-                 "min_history_s); seed " + str(args.seed),
+        f"with lead 0; synthetic OOM traces start with {WARMUP_S:.0f} s of steady history (the policy's "
+        "min_history_s); seed " + str(args.seed),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({"figures": {k: v for k, v in figures.items() if k != "by_kind"},
-                      "baseline": result["baseline"]}, indent=1))
+    print(
+        json.dumps(
+            {"figures": {k: v for k, v in figures.items() if k != "by_kind"}, "baseline": result["baseline"]}, indent=1
+        )
+    )
     for kind, s in sorted(by_kind.items()):
         print(f"{kind:>16}: {s}")
     return 0

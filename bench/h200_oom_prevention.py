@@ -70,9 +70,7 @@ def summarize(without: dict[str, Any], with_sits: dict[str, Any]) -> dict[str, A
         "ooms_without": len(ooms(without)),
         "ooms_with": len(ooms(with_sits)),
         "served_ratio": round(served["completed"] / served["submitted"], 4) if served["submitted"] else None,
-        "warning_lead_s": round(oom_without[0] - warning_with, 2)
-        if oom_without and warning_with is not None
-        else None,
+        "warning_lead_s": round(oom_without[0] - warning_with, 2) if oom_without and warning_with is not None else None,
         "warning_lead_same_run_s": round(oom_without[0] - warning_without, 2)
         if oom_without and warning_without is not None
         else None,
@@ -97,9 +95,7 @@ def summarize(without: dict[str, Any], with_sits: dict[str, Any]) -> dict[str, A
         "peak_device_used_with_gib": round(
             max((s["used"] for s in with_sits.get("nvml", []) if "used" in s), default=0) / 2**30, 2
         ),
-        "decode_step_s_median_with": round(
-            float((with_sits.get("workload") or {}).get("step_s_median") or 0), 4
-        ),
+        "decode_step_s_median_with": round(float((with_sits.get("workload") or {}).get("step_s_median") or 0), 4),
     }
     baseline: dict[str, Any] = {
         "served_ratio_without": round(baseline_counts["completed"] / baseline_counts["submitted"], 4)
@@ -109,9 +105,7 @@ def summarize(without: dict[str, Any], with_sits: dict[str, Any]) -> dict[str, A
         "requests_never_served_without": baseline_counts["never_served"],
         "oom_at_s_without": round(oom_without[0], 2) if oom_without else None,
         "first_warning_without_s": warning_without,
-        "decode_step_s_median_without": round(
-            float((without.get("workload") or {}).get("step_s_median") or 0), 4
-        ),
+        "decode_step_s_median_without": round(float((without.get("workload") or {}).get("step_s_median") or 0), 4),
     }
     return {"figures": figures, "baseline": baseline}
 

@@ -64,6 +64,7 @@ def median_time(fn: Callable[[], None], reps: int) -> float:
 def d2h_ceiling(nbytes: int) -> float:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
     def copy() -> None:
         dst.copy_(src, non_blocking=True)
 
@@ -81,6 +82,7 @@ def d2d_ceiling(nbytes: int) -> float:
 
 # --- snapshot -------------------------------------------------------------------------
 
+
 def llama8b_cache(num_blocks: int, layers: int) -> list[torch.Tensor]:
     return [torch.randn(2, num_blocks, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
 
@@ -95,8 +97,9 @@ def reference_tiles(caches: list[torch.Tensor], plan: SnapshotPlan) -> torch.Ten
     return ref.cpu()
 
 
-def snapshot_and_wait(snapshotter: KvSnapshotter, caches: list[torch.Tensor], plan: SnapshotPlan,
-                      host: torch.Tensor) -> None:
+def snapshot_and_wait(
+    snapshotter: KvSnapshotter, caches: list[torch.Tensor], plan: SnapshotPlan, host: torch.Tensor
+) -> None:
     snapshotter.snapshot(caches, plan, host).wait()
 
 
@@ -112,8 +115,10 @@ def bench_snapshot(out: dict[str, Any]) -> dict[str, Any]:
         "pool": plan_block_sample(caches, range(layers), stride=4, block_table=table),
     }
     for key, plan in plans.items():
-        log(f"snapshot {key}: {plan.num_tiles} tiles of {plan.tile_bytes} B = {plan.nbytes / GIB:.2f} GiB, "
-            f"{len(plan.strided_runs)} evenly spaced runs")
+        log(
+            f"snapshot {key}: {plan.num_tiles} tiles of {plan.tile_bytes} B = {plan.nbytes / GIB:.2f} GiB, "
+            f"{len(plan.strided_runs)} evenly spaced runs"
+        )
     nbytes = plans["seq"].nbytes
     ceiling = d2h_ceiling(nbytes)
     log(f"D2H pinned ceiling ({nbytes / GIB:.2f} GiB memcpy): {ceiling / 1e9:.1f} GB/s")
@@ -152,8 +157,10 @@ def bench_snapshot(out: dict[str, Any]) -> dict[str, Any]:
                 figures[f"row_copy_fallbacks_{name}"] = snapshotter.row_copy_fallbacks
             results[name] = plan.nbytes / t
             figures[f"issue_ms_{name}"] = round(issue_s * 1e3, 3)
-            log(f"  {name:30s} {plan.nbytes / t / 1e9:6.1f} GB/s  {plan.nbytes / t / ceiling:6.1%}  "
-                f"copy_engine={dma}  issue {issue_s * 1e3:6.2f} ms  correct={ok}")
+            log(
+                f"  {name:30s} {plan.nbytes / t / 1e9:6.1f} GB/s  {plan.nbytes / t / ceiling:6.1%}  "
+                f"copy_engine={dma}  issue {issue_s * 1e3:6.2f} ms  correct={ok}"
+            )
             if not ok:
                 results[name] = 0.0
                 out.setdefault("errors", []).append(f"snapshot {name}: output differs from reference")
@@ -175,11 +182,18 @@ def bench_snapshot(out: dict[str, Any]) -> dict[str, Any]:
         baseline={"d2h_pinned_memcpy_gbps": round(ceiling / 1e9, 2), "d2h_memcpy_bytes": nbytes},
         goal={"fraction_of_d2h": 0.85},
     )
-    return {"caches": caches, "plans": plans, "host": host, "variants": variants, "results": results,
-            "ceiling": ceiling}
+    return {
+        "caches": caches,
+        "plans": plans,
+        "host": host,
+        "variants": variants,
+        "results": results,
+        "ceiling": ceiling,
+    }
 
 
 # --- interference ---------------------------------------------------------------------
+
 
 def bench_interference(out: dict[str, Any], snap: dict[str, Any]) -> None:
     caches, plans, host = snap["caches"], snap["plans"], snap["host"]
@@ -248,8 +262,10 @@ def bench_interference(out: dict[str, Any], snap: dict[str, Any]) -> None:
         figures[f"issue_ms_{work_name}_{variant}"] = round(statistics.median(issue) * 1e3, 2)
         slowdown = (statistics.median(shared) / statistics.median(alone) - 1) * 100
         baseline[f"{work_name}_alone_ms"] = round(statistics.median(alone), 3)
-        log(f"  {work_name:16s} {variant:30s} alone {statistics.median(alone):7.3f} ms  "
-            f"with {statistics.median(shared):7.3f} ms  slowdown {slowdown:6.2f}%")
+        log(
+            f"  {work_name:16s} {variant:30s} alone {statistics.median(alone):7.3f} ms  "
+            f"with {statistics.median(shared):7.3f} ms  slowdown {slowdown:6.2f}%"
+        )
         return round(slowdown, 2)
 
     for work_name in works:
@@ -267,8 +283,7 @@ def bench_interference(out: dict[str, Any], snap: dict[str, Any]) -> None:
     # own so that picking the minimum of noisy figures does not flatter it. Once over all
     # variants, once over the per-sequence selection alone (block ids random in memory).
     def pick(names: list[str]) -> str | None:
-        fast = [n for n in names if results[n] / ceiling >= 0.85
-                and f"slowdown_pct_attention_gemm_{n}" in figures]
+        fast = [n for n in names if results[n] / ceiling >= 0.85 and f"slowdown_pct_attention_gemm_{n}" in figures]
         return min(fast, key=lambda n: figures[f"slowdown_pct_attention_gemm_{n}"], default=None)
 
     chosen = pick(candidates)
@@ -285,8 +300,9 @@ def bench_interference(out: dict[str, Any], snap: dict[str, Any]) -> None:
         "snapshot_fraction_of_d2h": round(results[chosen] / ceiling, 4) if chosen else None,
         "per_sequence_selection_variant": chosen_seq,
         "per_sequence_selection_slowdown_pct": again[chosen_seq]["attention_gemm"] if chosen_seq else None,
-        "per_sequence_selection_slowdown_pct_decode_attention":
-            again[chosen_seq]["decode_attention"] if chosen_seq else None,
+        "per_sequence_selection_slowdown_pct_decode_attention": again[chosen_seq]["decode_attention"]
+        if chosen_seq
+        else None,
         **figures,
     }
     baseline["d2h_pinned_memcpy_gbps"] = round(ceiling / 1e9, 2)
@@ -295,13 +311,15 @@ def bench_interference(out: dict[str, Any], snap: dict[str, Any]) -> None:
 
 # --- block statistics -----------------------------------------------------------------
 
+
 def llama70b_pool_blocks(pool_bytes: float = 140e9) -> int:
     # 80 layers x 8 KV heads x head_dim 128 x bf16 x (K and V) x 16 tokens per block.
     return int(pool_bytes // (80 * 8 * 128 * 2 * 2 * 16))
 
 
-def make_tables(num_blocks: int, rows: int, cols: int, used_fraction: float,
-                device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_tables(
+    num_blocks: int, rows: int, cols: int, used_fraction: float, device: str = "cuda"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     order = torch.randperm(num_blocks, device=device).to(torch.int32)
     used = int(num_blocks * used_fraction)
     weights = torch.rand(rows, device=device) + 0.05
@@ -337,8 +355,10 @@ def graph_us_per_call(cases: list[StatsCase], ws: BlockStatsWorkspace, replays: 
     reads a table that is not in L2), replayed back to back behind a sleep kernel so that no
     launch gap is timed. Checks every case's result after a replay into poisoned outputs."""
     outs = [BlockStatsDevice.empty(ws.num_blocks, c[0].shape[0], "cuda") for c in cases]
-    calls = [functools.partial(block_stats_async, t, f, ws, lens, out=o)
-             for (t, f, lens, _), o in zip(cases, outs, strict=True)]
+    calls = [
+        functools.partial(block_stats_async, t, f, ws, lens, out=o)
+        for (t, f, lens, _), o in zip(cases, outs, strict=True)
+    ]
     for call in calls:
         call()  # compiled and warm before the capture
     torch.cuda.synchronize()
@@ -374,8 +394,9 @@ def eager_us_per_call(case: StatsCase, ws: BlockStatsWorkspace) -> tuple[float, 
     out.totals.fill_(-1)
     out.blocks_per_seq.fill_(-1)
     ok = block_stats_async(table, free, ws, lens, out=out).to_host() == ref
-    ms = do_bench(functools.partial(block_stats_async, table, free, ws, lens, out=out),
-                  warmup=25, rep=100, return_mode="median")
+    ms = do_bench(
+        functools.partial(block_stats_async, table, free, ws, lens, out=out), warmup=25, rep=100, return_mode="median"
+    )
     return float(ms) * 1e3, ok and out.to_host() == ref
 
 
@@ -406,8 +427,10 @@ def bench_stats(out: dict[str, Any]) -> None:
             g_us, g_ok = graph_us_per_call(vllm, ws)
             e_us, e_ok = eager_us_per_call(vllm[0], ws)
             tbps = nbytes / (g_us * 1e-6)
-            log(f"  vllm_1024x8192 {cname:28s} graph {g_us:7.2f} us  {tbps / 1e12:5.2f} TB/s  {tbps / ceiling:6.1%}"
-                f"   eager {e_us:7.2f} us  correct={g_ok and e_ok}")
+            log(
+                f"  vllm_1024x8192 {cname:28s} graph {g_us:7.2f} us  {tbps / 1e12:5.2f} TB/s  {tbps / ceiling:6.1%}"
+                f"   eager {e_us:7.2f} us  correct={g_ok and e_ok}"
+            )
             figures[f"us_graph_vllm_1024x8192_{cname}"] = round(g_us, 2)
             figures[f"us_eager_vllm_1024x8192_{cname}"] = round(e_us, 2)
             if g_ok and e_ok:
@@ -431,8 +454,10 @@ def bench_stats(out: dict[str, Any]) -> None:
         e_us, e_ok = eager_us_per_call(lens_cases[0], ws)
         figures["us_graph_vllm_with_lengths"] = round(g_us, 2)
         figures["us_eager_vllm_with_lengths"] = round(e_us, 2)
-        log(f"  with lengths (valid entries only) {best}: graph {g_us:.2f} us  eager {e_us:.2f} us  "
-            f"correct={g_ok and e_ok}")
+        log(
+            f"  with lengths (valid entries only) {best}: graph {g_us:.2f} us  eager {e_us:.2f} us  "
+            f"correct={g_ok and e_ok}"
+        )
         if not (g_ok and e_ok):
             out.setdefault("errors", []).append("stats with lengths: differs from reference")
         del lens_cases
@@ -448,8 +473,10 @@ def bench_stats(out: dict[str, Any]) -> None:
             ws = BlockStatsWorkspace(num_blocks, "cuda", best_config)
             g_us, g_ok = graph_us_per_call(cases, ws, replays=10)
             tbps = big_bytes / (g_us * 1e-6)
-            log(f"  {label:14s} {best:28s} graph {g_us:7.2f} us  {tbps / 1e12:5.2f} TB/s  {tbps / ceiling:6.1%}"
-                f"  correct={g_ok}")
+            log(
+                f"  {label:14s} {best:28s} graph {g_us:7.2f} us  {tbps / 1e12:5.2f} TB/s  {tbps / ceiling:6.1%}"
+                f"  correct={g_ok}"
+            )
             figures[f"us_graph_{label}"] = round(g_us, 2)
             figures[f"tbps_graph_{label}"] = round(tbps / 1e12, 3)
             figures[f"fraction_of_d2d_{label}"] = round(tbps / ceiling, 4)
@@ -464,7 +491,7 @@ def bench_stats(out: dict[str, Any]) -> None:
             "tbps": round(best_tbps / 1e12, 3),
             "fraction_of_d2d": round(best_tbps / ceiling, 4),
             "timing": "GPU time per call: CUDA-graph replay of 8 calls on 8 different tables (L2-cold), "
-                      "median of 7 x 20 replays; us_eager_* is one Python call, launch overhead included",
+            "median of 7 x 20 replays; us_eager_* is one Python call, launch overhead included",
             "best_config": best,
             "us_graph_per_call": round(graph_us[best], 2),
             "us_eager_per_call": figures[f"us_eager_vllm_1024x8192_{best}"],

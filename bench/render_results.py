@@ -8,8 +8,19 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Goals written as upper bounds; every other goal is a lower bound.
-UPPER_BOUND_HINTS = ("_ms", "overhead", "cpu_pct", "slowdown", "false_alarms", "ooms_with", "lost", "duplicates",
-                     "ratio_with_sits", "max_rel_error", "added")
+UPPER_BOUND_HINTS = (
+    "_ms",
+    "overhead",
+    "cpu_pct",
+    "slowdown",
+    "false_alarms",
+    "ooms_with",
+    "lost",
+    "duplicates",
+    "ratio_with_sits",
+    "max_rel_error",
+    "added",
+)
 
 
 def is_upper_bound(key: str) -> bool:

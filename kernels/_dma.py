@@ -36,8 +36,7 @@ def _check(rt: Any, result: tuple[Any, ...], what: str) -> None:
         raise RuntimeError(f"{what} failed: {err!r} ({rt.cudaGetErrorString(err)[1]!r})")
 
 
-def copy_2d_to_host(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
-                    stream: int) -> bool:
+def copy_2d_to_host(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int) -> bool:
     """``height`` rows of ``width`` bytes, rows ``src_pitch`` apart on the device, ``dst_pitch`` on the host.
 
     Returns False when the driver refused the pitched copy as an invalid value and the
@@ -53,8 +52,9 @@ def copy_2d_to_host(dst: int, dst_pitch: int, src: int, src_pitch: int, width: i
         _check(rt, result, "cudaMemcpy2DAsync")
         return True
     for row in range(height):
-        _check(rt, rt.cudaMemcpyAsync(dst + row * dst_pitch, src + row * src_pitch, width, d2h, stream),
-               "cudaMemcpyAsync")
+        _check(
+            rt, rt.cudaMemcpyAsync(dst + row * dst_pitch, src + row * src_pitch, width, d2h, stream), "cudaMemcpyAsync"
+        )
     return False
 
 
@@ -66,5 +66,8 @@ def copy_batch_to_host(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence
     attrs = rt.cudaMemcpyAttributes()
     attrs.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
     attrs.flags = rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
-    _check(rt, rt.cudaMemcpyBatchAsync(list(dsts), list(srcs), list(sizes), len(sizes), [attrs], [0], 1, stream),
-           "cudaMemcpyBatchAsync")
+    _check(
+        rt,
+        rt.cudaMemcpyBatchAsync(list(dsts), list(srcs), list(sizes), len(sizes), [attrs], [0], 1, stream),
+        "cudaMemcpyBatchAsync",
+    )

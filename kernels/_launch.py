@@ -34,8 +34,11 @@ def check_device(device: torch.device) -> None:
     """Fail with a readable reason when tensors sit where the kernels cannot run."""
     if interpreting():
         if device.type != "cpu":
-            raise ValueError(f"Triton runs interpreted here (TRITON_INTERPRET=1): tensors must be on the CPU, "
-                             f"not {device}")
+            raise ValueError(
+                f"Triton runs interpreted here (TRITON_INTERPRET=1): tensors must be on the CPU, not {device}"
+            )
     elif device.type != "cuda":
-        raise ValueError(f"tensors on {device}: the kernels need a CUDA device, or TRITON_INTERPRET=1 set "
-                         "before triton is first imported to run them on the CPU")
+        raise ValueError(
+            f"tensors on {device}: the kernels need a CUDA device, or TRITON_INTERPRET=1 set "
+            "before triton is first imported to run them on the CPU"
+        )

@@ -77,8 +77,19 @@ def _summary_row(s, k, mask, MAX_CHUNKS: tl.constexpr):
 
 @triton.jit
 def _mark_rows(
-    table_ptr, row_stride, lens_ptr, num_rows, num_cols, num_blocks, used_mark_ptr, blocks_per_seq_ptr,
-    group, HAS_LENS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    table_ptr,
+    row_stride,
+    lens_ptr,
+    num_rows,
+    num_cols,
+    num_blocks,
+    used_mark_ptr,
+    blocks_per_seq_ptr,
+    group,
+    HAS_LENS: tl.constexpr,
+    EVEN: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     rows = group * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_rows
@@ -148,8 +159,9 @@ def _scan_free(free_mark_ptr, num_blocks, summary_ptr, chunk, CHUNK: tl.constexp
 
 
 @triton.jit
-def _scan_used(used_mark_ptr, free_mark_ptr, num_blocks, summary_ptr, chunk,
-               CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+def _scan_used(
+    used_mark_ptr, free_mark_ptr, num_blocks, summary_ptr, chunk, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr
+):
     """The rest of one chunk once the table is marked; clears both maps for the next call."""
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     inside = offs < num_blocks
@@ -216,18 +228,49 @@ def _fold_if_last(summary_ptr, sync_ptr, result_ptr, num_chunks, CHUNK: tl.const
 
 @triton.jit
 def _stats_kernel(
-    table_ptr, row_stride, lens_ptr, num_rows, num_cols,
-    free_ptr, num_free, num_blocks,
-    used_mark_ptr, free_mark_ptr, blocks_per_seq_ptr,
-    summary_ptr, sync_ptr, result_ptr,
-    num_row_programs, num_mark_programs, num_chunks,
-    HAS_LENS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-    FREE_BLOCK: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, POLL_WITH_LOAD: tl.constexpr,
+    table_ptr,
+    row_stride,
+    lens_ptr,
+    num_rows,
+    num_cols,
+    free_ptr,
+    num_free,
+    num_blocks,
+    used_mark_ptr,
+    free_mark_ptr,
+    blocks_per_seq_ptr,
+    summary_ptr,
+    sync_ptr,
+    result_ptr,
+    num_row_programs,
+    num_mark_programs,
+    num_chunks,
+    HAS_LENS: tl.constexpr,
+    EVEN: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    FREE_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr,
+    POLL_WITH_LOAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < num_row_programs:
-        _mark_rows(table_ptr, row_stride, lens_ptr, num_rows, num_cols, num_blocks, used_mark_ptr,
-                   blocks_per_seq_ptr, pid, HAS_LENS, EVEN, ROWS, COLS)
+        _mark_rows(
+            table_ptr,
+            row_stride,
+            lens_ptr,
+            num_rows,
+            num_cols,
+            num_blocks,
+            used_mark_ptr,
+            blocks_per_seq_ptr,
+            pid,
+            HAS_LENS,
+            EVEN,
+            ROWS,
+            COLS,
+        )
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + _SYNC_ROWS, 1, sem="release", scope="gpu")
     elif pid < num_mark_programs:
@@ -246,24 +289,56 @@ def _stats_kernel(
 
 @triton.jit
 def _mark_kernel(
-    table_ptr, row_stride, lens_ptr, num_rows, num_cols,
-    free_ptr, num_free, num_blocks,
-    used_mark_ptr, free_mark_ptr, blocks_per_seq_ptr, num_row_programs,
-    HAS_LENS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    table_ptr,
+    row_stride,
+    lens_ptr,
+    num_rows,
+    num_cols,
+    free_ptr,
+    num_free,
+    num_blocks,
+    used_mark_ptr,
+    free_mark_ptr,
+    blocks_per_seq_ptr,
+    num_row_programs,
+    HAS_LENS: tl.constexpr,
+    EVEN: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
     FREE_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < num_row_programs:
-        _mark_rows(table_ptr, row_stride, lens_ptr, num_rows, num_cols, num_blocks, used_mark_ptr,
-                   blocks_per_seq_ptr, pid, HAS_LENS, EVEN, ROWS, COLS)
+        _mark_rows(
+            table_ptr,
+            row_stride,
+            lens_ptr,
+            num_rows,
+            num_cols,
+            num_blocks,
+            used_mark_ptr,
+            blocks_per_seq_ptr,
+            pid,
+            HAS_LENS,
+            EVEN,
+            ROWS,
+            COLS,
+        )
     else:
         _mark_free(free_ptr, num_free, num_blocks, free_mark_ptr, pid - num_row_programs, FREE_BLOCK)
 
 
 @triton.jit
 def _scan_kernel(
-    used_mark_ptr, free_mark_ptr, num_blocks, summary_ptr, sync_ptr, result_ptr, num_chunks,
-    CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    used_mark_ptr,
+    free_mark_ptr,
+    num_blocks,
+    summary_ptr,
+    sync_ptr,
+    result_ptr,
+    num_chunks,
+    CHUNK: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr,
 ):
     _scan_free(free_mark_ptr, num_blocks, summary_ptr, tl.program_id(0), CHUNK, MAX_CHUNKS)
     _scan_used(used_mark_ptr, free_mark_ptr, num_blocks, summary_ptr, tl.program_id(0), CHUNK, MAX_CHUNKS)
@@ -305,8 +380,11 @@ class BlockStatsDevice:
 
     @classmethod
     def empty(cls, num_blocks: int, num_seqs: int, device: torch.device | str) -> BlockStatsDevice:
-        return cls(num_blocks, torch.empty(num_seqs, dtype=torch.int32, device=device),
-                   torch.empty(_RESULT_LEN, dtype=torch.int64, device=device))
+        return cls(
+            num_blocks,
+            torch.empty(num_seqs, dtype=torch.int32, device=device),
+            torch.empty(_RESULT_LEN, dtype=torch.int64, device=device),
+        )
 
     def to_host(self) -> BlockStats:
         totals = self.totals.tolist()
@@ -342,8 +420,7 @@ class StatsLaunchConfig:
 class BlockStatsWorkspace:
     """Scratch memory of the statistics kernels for one pool; reuse it across calls."""
 
-    def __init__(self, num_blocks: int, device: torch.device | str,
-                 config: StatsLaunchConfig | None = None) -> None:
+    def __init__(self, num_blocks: int, device: torch.device | str, config: StatsLaunchConfig | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.config = config or StatsLaunchConfig()
@@ -415,28 +492,65 @@ def block_stats_async(
     even = num_rows % cfg.rows == 0 and num_cols % cfg.cols == 0
     if cfg.fused:
         _stats_kernel[(mark_programs + workspace.num_chunks,)](
-            block_table, block_table.stride(0), lens, num_rows, num_cols,
-            free_block_ids, free_block_ids.shape[0], workspace.num_blocks,
-            workspace.used_mark, workspace.free_mark, blocks_per_seq,
-            workspace.summary, workspace.sync, totals,
-            row_programs, mark_programs, workspace.num_chunks,
-            HAS_LENS=has_lens, EVEN=even, ROWS=cfg.rows, COLS=cfg.cols,
-            FREE_BLOCK=cfg.free_block, CHUNK=cfg.chunk, MAX_CHUNKS=workspace.max_chunks,
-            POLL_WITH_LOAD=cfg.poll_with_load, num_warps=cfg.mark_warps,
+            block_table,
+            block_table.stride(0),
+            lens,
+            num_rows,
+            num_cols,
+            free_block_ids,
+            free_block_ids.shape[0],
+            workspace.num_blocks,
+            workspace.used_mark,
+            workspace.free_mark,
+            blocks_per_seq,
+            workspace.summary,
+            workspace.sync,
+            totals,
+            row_programs,
+            mark_programs,
+            workspace.num_chunks,
+            HAS_LENS=has_lens,
+            EVEN=even,
+            ROWS=cfg.rows,
+            COLS=cfg.cols,
+            FREE_BLOCK=cfg.free_block,
+            CHUNK=cfg.chunk,
+            MAX_CHUNKS=workspace.max_chunks,
+            POLL_WITH_LOAD=cfg.poll_with_load,
+            num_warps=cfg.mark_warps,
         )
         return out
     if mark_programs > 0:
         _mark_kernel[(mark_programs,)](
-            block_table, block_table.stride(0), lens, num_rows, num_cols,
-            free_block_ids, free_block_ids.shape[0], workspace.num_blocks,
-            workspace.used_mark, workspace.free_mark, blocks_per_seq, row_programs,
-            HAS_LENS=has_lens, EVEN=even, ROWS=cfg.rows, COLS=cfg.cols, FREE_BLOCK=cfg.free_block,
+            block_table,
+            block_table.stride(0),
+            lens,
+            num_rows,
+            num_cols,
+            free_block_ids,
+            free_block_ids.shape[0],
+            workspace.num_blocks,
+            workspace.used_mark,
+            workspace.free_mark,
+            blocks_per_seq,
+            row_programs,
+            HAS_LENS=has_lens,
+            EVEN=even,
+            ROWS=cfg.rows,
+            COLS=cfg.cols,
+            FREE_BLOCK=cfg.free_block,
             num_warps=cfg.mark_warps,
         )
     _scan_kernel[(workspace.num_chunks,)](
-        workspace.used_mark, workspace.free_mark, workspace.num_blocks,
-        workspace.summary, workspace.sync, totals, workspace.num_chunks,
-        CHUNK=cfg.chunk, MAX_CHUNKS=workspace.max_chunks,
+        workspace.used_mark,
+        workspace.free_mark,
+        workspace.num_blocks,
+        workspace.summary,
+        workspace.sync,
+        totals,
+        workspace.num_chunks,
+        CHUNK=cfg.chunk,
+        MAX_CHUNKS=workspace.max_chunks,
         num_warps=cfg.scan_warps,
     )
     return out
@@ -457,8 +571,12 @@ def block_stats(
     return block_stats_async(block_table, free_block_ids, workspace, num_blocks_per_seq).to_host()
 
 
-def stats_bytes_moved(block_table: torch.Tensor, free_block_ids: torch.Tensor, num_blocks: int,
-                      num_blocks_per_seq: torch.Tensor | None = None) -> int:
+def stats_bytes_moved(
+    block_table: torch.Tensor,
+    free_block_ids: torch.Tensor,
+    num_blocks: int,
+    num_blocks_per_seq: torch.Tensor | None = None,
+) -> int:
     """Bytes a call must read and write at the least (int32 everywhere)."""
     num_rows, num_cols = block_table.shape
     if num_blocks_per_seq is None:

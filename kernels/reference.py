@@ -10,8 +10,12 @@ from kernels.block_stats import BlockStats
 from kernels.snapshot import SnapshotPlan
 
 
-def block_stats_reference(block_table: torch.Tensor, free_block_ids: torch.Tensor, num_blocks: int,
-                          num_blocks_per_seq: torch.Tensor | None = None) -> BlockStats:
+def block_stats_reference(
+    block_table: torch.Tensor,
+    free_block_ids: torch.Tensor,
+    num_blocks: int,
+    num_blocks_per_seq: torch.Tensor | None = None,
+) -> BlockStats:
     table = block_table.to("cpu", torch.int64)
     cols = torch.arange(table.shape[1])
     valid = (table >= 0) & (table < num_blocks)

@@ -55,9 +55,17 @@ _MAX_PITCH = 2**31 - 1  # cudaDevAttrMaxPitch of current NVIDIA GPUs
 
 @triton.jit
 def _gather_tiles_kernel(
-    src_ptr, dst_ptr, src_unit_off_ptr, first_tile, num_tiles, part_stride_units,
-    PARTS: tl.constexpr, PART_WORDS: tl.constexpr, UNIT_WORDS: tl.constexpr,
-    BLOCK: tl.constexpr, EVEN: tl.constexpr,
+    src_ptr,
+    dst_ptr,
+    src_unit_off_ptr,
+    first_tile,
+    num_tiles,
+    part_stride_units,
+    PARTS: tl.constexpr,
+    PART_WORDS: tl.constexpr,
+    UNIT_WORDS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     # Persistent loop: the grid may be smaller than the number of tiles, which bounds
     # how many SMs a snapshot occupies at once.
@@ -169,7 +177,10 @@ def _check_layers(kv_caches: Sequence[torch.Tensor], block_dim: int) -> None:
     first = kv_caches[0]
     for i, layer in enumerate(kv_caches):
         if (layer.shape, layer.stride(), layer.dtype, layer.device) != (
-            first.shape, first.stride(), first.dtype, first.device
+            first.shape,
+            first.stride(),
+            first.dtype,
+            first.device,
         ):
             raise ValueError(f"layer {i} differs from layer 0 in shape, strides, dtype or device")
     if first.dim() <= block_dim + 1:
@@ -179,8 +190,9 @@ def _check_layers(kv_caches: Sequence[torch.Tensor], block_dim: int) -> None:
         raise ValueError("the data of one block must be contiguous (dims after block_dim)")
 
 
-def _check_selection(kv_caches: Sequence[torch.Tensor], layers: Sequence[int], stride: int, phase: int,
-                     block_dim: int) -> None:
+def _check_selection(
+    kv_caches: Sequence[torch.Tensor], layers: Sequence[int], stride: int, phase: int, block_dim: int
+) -> None:
     _check_layers(kv_caches, block_dim)
     if stride < 1 or not 0 <= phase < stride:
         raise ValueError(f"need stride >= 1 and 0 <= phase < stride, got {stride}, {phase}")
@@ -221,12 +233,19 @@ def plan_snapshot(
     layer_ids = torch.as_tensor(list(layers), dtype=torch.int64)
     n_blocks, n_layers = block_ids.numel(), layer_ids.numel()
     # Tiles ordered by (row, position, layer): one sequence's tiles stay together.
-    tiles = torch.stack([
-        rows[sel_row].repeat_interleave(n_layers),
-        layer_ids.repeat(n_blocks),
-        positions[sel_pos].repeat_interleave(n_layers),
-        block_ids.repeat_interleave(n_layers),
-    ], dim=1) if n_blocks and n_layers else torch.empty((0, 4), dtype=torch.int64)
+    tiles = (
+        torch.stack(
+            [
+                rows[sel_row].repeat_interleave(n_layers),
+                layer_ids.repeat(n_blocks),
+                positions[sel_pos].repeat_interleave(n_layers),
+                block_ids.repeat_interleave(n_layers),
+            ],
+            dim=1,
+        )
+        if n_blocks and n_layers
+        else torch.empty((0, 4), dtype=torch.int64)
+    )
     return _plan_tiles(kv_caches, tiles, block_dim)
 
 
@@ -271,12 +290,19 @@ def plan_block_sample(
     owner_pos = torch.where(held, sampled_owner % cols_of, -1)
     layer_ids = torch.as_tensor(list(layers), dtype=torch.int64)
     n_blocks, n_layers = block_ids.numel(), layer_ids.numel()
-    tiles = torch.stack([
-        owner_row.repeat(n_layers),
-        layer_ids.repeat_interleave(n_blocks),
-        owner_pos.repeat(n_layers),
-        block_ids.repeat(n_layers),
-    ], dim=1) if n_blocks and n_layers else torch.empty((0, 4), dtype=torch.int64)
+    tiles = (
+        torch.stack(
+            [
+                owner_row.repeat(n_layers),
+                layer_ids.repeat_interleave(n_blocks),
+                owner_pos.repeat(n_layers),
+                block_ids.repeat(n_layers),
+            ],
+            dim=1,
+        )
+        if n_blocks and n_layers
+        else torch.empty((0, 4), dtype=torch.int64)
+    )
     return _plan_tiles(kv_caches, tiles, block_dim)
 
 
@@ -285,14 +311,19 @@ def _plan_tiles(kv_caches: Sequence[torch.Tensor], tiles: torch.Tensor, block_di
     num_layers = len(kv_caches)
     esize = first.element_size()
     parts = math.prod(first.shape[:block_dim])
-    part_elems = math.prod(first.shape[block_dim + 1:])
+    part_elems = math.prod(first.shape[block_dim + 1 :])
     block_stride_bytes = first.stride(block_dim) * esize
     part_stride_bytes = first.stride(0) * esize if block_dim == 1 else 0
     ptrs = [layer.data_ptr() for layer in kv_caches]
     base_layer = min(range(num_layers), key=ptrs.__getitem__)
     unit = _MAX_UNIT_BYTES
-    for quantity in (*(p - ptrs[base_layer] for p in ptrs), block_stride_bytes, part_stride_bytes,
-                     part_elems * esize, ptrs[base_layer]):
+    for quantity in (
+        *(p - ptrs[base_layer] for p in ptrs),
+        block_stride_bytes,
+        part_stride_bytes,
+        part_elems * esize,
+        ptrs[base_layer],
+    ):
         unit = math.gcd(unit, quantity)
     word_dtype = torch.int32 if unit % 4 == 0 else torch.uint8
     word_bytes = _itemsize(word_dtype)
@@ -301,7 +332,7 @@ def _plan_tiles(kv_caches: Sequence[torch.Tensor], tiles: torch.Tensor, block_di
     # Layers that are views of one tensor share an allocation; separate tensors may not.
     storages = [layer.untyped_storage().data_ptr() for layer in kv_caches]
     layer_groups = torch.as_tensor([storages.index(p) for p in storages], dtype=torch.int64)
-    tile_shape = (*first.shape[:block_dim], *first.shape[block_dim + 1:])
+    tile_shape = (*first.shape[:block_dim], *first.shape[block_dim + 1 :])
     return SnapshotPlan(
         tiles=tiles,
         src_unit_offsets=src.to(first.device),
@@ -359,8 +390,16 @@ def _pitched_copies(plan: SnapshotPlan, base: int, host: int) -> list[_PitchedCo
     copies = []
     for first, count, gap in plan.strided_runs.tolist():
         for p in range(plan.parts):
-            copies.append((host + first * tb + p * pb, tb, base + (src[first] + p * plan.part_stride_units) * ub,
-                           gap * ub if count > 1 else pb, pb, count))
+            copies.append(
+                (
+                    host + first * tb + p * pb,
+                    tb,
+                    base + (src[first] + p * plan.part_stride_units) * ub,
+                    gap * ub if count > 1 else pb,
+                    pb,
+                    count,
+                )
+            )
     return copies
 
 
@@ -433,14 +472,23 @@ class KvSnapshotter:
         block = min(triton.next_power_of_2(plan.part_words), max(1, self.config.block_bytes // word_bytes))
         programs = count if self.config.max_programs is None else min(count, self.config.max_programs)
         _gather_tiles_kernel[(programs,)](
-            source, dst, plan.src_unit_offsets, first, count, plan.part_stride_units,
-            PARTS=plan.parts, PART_WORDS=plan.part_words, UNIT_WORDS=plan.unit_words,
-            BLOCK=block, EVEN=plan.part_words % block == 0,
+            source,
+            dst,
+            plan.src_unit_offsets,
+            first,
+            count,
+            plan.part_stride_units,
+            PARTS=plan.parts,
+            PART_WORDS=plan.part_words,
+            UNIT_WORDS=plan.unit_words,
+            BLOCK=block,
+            EVEN=plan.part_words % block == 0,
             num_warps=self.config.num_warps,
         )
 
-    def snapshot(self, kv_caches: Sequence[torch.Tensor], plan: SnapshotPlan,
-                 host_bytes: torch.Tensor | None = None) -> Snapshot:
+    def snapshot(
+        self, kv_caches: Sequence[torch.Tensor], plan: SnapshotPlan, host_bytes: torch.Tensor | None = None
+    ) -> Snapshot:
         """Queue the copy of ``plan``'s tiles and return at once."""
         if kv_caches[0].device != self.device:
             raise ValueError(f"cache on {kv_caches[0].device}, snapshotter on {self.device}")
@@ -504,11 +552,12 @@ class KvSnapshotter:
             self._gathered[k].record(self._gather_stream)
             self._copy_stream.wait_event(self._gathered[k])
             with torch.cuda.stream(self._copy_stream):
-                host_bytes[first * tb:(first + count) * tb].copy_(slot[: count * tb], non_blocking=True)
+                host_bytes[first * tb : (first + count) * tb].copy_(slot[: count * tb], non_blocking=True)
             self._copied[k].record(self._copy_stream)
 
-    def _run_on_cpu(self, plan: SnapshotPlan, kv_caches: Sequence[torch.Tensor], source: torch.Tensor,
-                    host_bytes: torch.Tensor) -> None:
+    def _run_on_cpu(
+        self, plan: SnapshotPlan, kv_caches: Sequence[torch.Tensor], source: torch.Tensor, host_bytes: torch.Tensor
+    ) -> None:
         # Triton's interpreter and memmove: same kernel, chunking and copy list, no streams.
         words = host_bytes[: plan.nbytes].view(plan.word_dtype)
         if self.uses_copy_engine(plan):
@@ -529,14 +578,15 @@ class KvSnapshotter:
         for first, count in self._chunks(plan):
             slot = self._slots[0]
             self._launch(plan, source, slot.view(plan.word_dtype), first, count)
-            out[first * tb:(first + count) * tb].copy_(slot[: count * tb])
+            out[first * tb : (first + count) * tb].copy_(slot[: count * tb])
 
 
 _default_snapshotters: dict[torch.device, KvSnapshotter] = {}
 
 
-def snapshot_kv(kv_caches: Sequence[torch.Tensor], plan: SnapshotPlan,
-                host_bytes: torch.Tensor | None = None) -> Snapshot:
+def snapshot_kv(
+    kv_caches: Sequence[torch.Tensor], plan: SnapshotPlan, host_bytes: torch.Tensor | None = None
+) -> Snapshot:
     """Snapshot with the device's default :class:`KvSnapshotter` (staged mode)."""
     device = kv_caches[0].device
     snapshotter = _default_snapshotters.get(device)

@@ -114,9 +114,7 @@ class Scheduler:
 
     def submit(self, request: Request) -> None:
         if request.prompt_tokens + request.max_new_tokens > self.shape.max_model_len:
-            raise ValueError(
-                f"request {request.request_id} is longer than max_model_len {self.shape.max_model_len}"
-            )
+            raise ValueError(f"request {request.request_id} is longer than max_model_len {self.shape.max_model_len}")
         self.waiting.append(request)
 
     def plan_step(self) -> StepPlan:

@@ -50,9 +50,7 @@ class ModelShape:
         return self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
 
 
-LLAMA_8B = ModelShape(
-    layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256
-)
+LLAMA_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256)
 TINY = ModelShape(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=512)
 
 
@@ -84,9 +82,7 @@ class LlamaModel:
         self.final_norm = torch.ones(s.hidden, device=device, dtype=dtype)
         self.lm_head = weight(s.hidden, s.vocab)
         half = s.head_dim // 2
-        self.inv_freq = 1.0 / (
-            s.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half)
-        )
+        self.inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
 
     # ------------------------------------------------------------------ pieces
 
@@ -210,9 +206,7 @@ class KvCache:
 
     def _new_chunk(self, slots: int) -> torch.Tensor:
         s = self.shape
-        return torch.zeros(
-            2, slots, s.kv_heads, self.chunk_tokens, s.head_dim, device=self.device, dtype=self.dtype
-        )
+        return torch.zeros(2, slots, s.kv_heads, self.chunk_tokens, s.head_dim, device=self.device, dtype=self.dtype)
 
     def ensure_positions(self, tokens: int) -> None:
         """Grow (in whole chunks, every layer) until `tokens` positions fit."""

@@ -167,18 +167,14 @@ class Redis:
         self.proc.stop(grace_s=3)
 
 
-async def read_topics(
-    bootstrap: str, topics: list[str], timeout_s: float = 5.0
-) -> dict[str, list[dict[str, Any]]]:
+async def read_topics(bootstrap: str, topics: list[str], timeout_s: float = 5.0) -> dict[str, list[dict[str, Any]]]:
     """Every record of `topics` from the start, decoded (assigned partitions: no consumer group)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
     from google.protobuf.json_format import MessageToDict
 
     from sits.runtime.events import decode_event
 
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
-    )
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
     await consumer.start()
     found: dict[str, list[dict[str, Any]]] = {t: [] for t in topics}
     try:
@@ -304,9 +300,7 @@ class Scenario:
             "kv_room_bytes": free - self.plateau_bytes - activations,
         }
 
-    def services_env(
-        self, mode: str, ports: dict[str, int], engine_pid: int, gpu_uuid: str
-    ) -> dict[str, str]:
+    def services_env(self, mode: str, ports: dict[str, int], engine_pid: int, gpu_uuid: str) -> dict[str, str]:
         env = {
             "SITS_KAFKA_BOOTSTRAP": self.broker.bootstrap,
             "SITS_TOPIC_PREFIX": f"h200oom-{mode}-{int(time.time())}.",
@@ -344,9 +338,7 @@ class Scenario:
 
     def run_mode(self, mode: str) -> dict[str, Any]:
         a = self.args
-        ports = {
-            name: free_port() for name in ("control", "loads", "capture", "decision", "executor", "validator")
-        }
+        ports = {name: free_port() for name in ("control", "loads", "capture", "decision", "executor", "validator")}
         files = {
             "ready": self.work / f"{mode}-ready.json",
             "go": self.work / f"{mode}-go.json",
@@ -475,8 +467,7 @@ class Scenario:
                 proc.stop(grace_s=5)
             workload.stop(grace_s=10)
         topics = [
-            f"{env['SITS_TOPIC_PREFIX']}sits.{name}"
-            for name in ("healing.commands.v1", "healing.results.v1", "oom.v1")
+            f"{env['SITS_TOPIC_PREFIX']}sits.{name}" for name in ("healing.commands.v1", "healing.results.v1", "oom.v1")
         ]
         records = asyncio.run(read_topics(self.broker.bootstrap, topics))
         workload_result = json.loads(files["result"].read_text()) if files["result"].exists() else None
@@ -606,9 +597,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--squeeze-steps", type=int, default=8)
     p.add_argument("--squeeze-period-s", type=float, default=1.0)
     p.add_argument("--squeeze-delay-s", type=float, default=1.0)
-    p.add_argument(
-        "--policy-file", type=Path, default=None, help="decision policy (default: the service's own)"
-    )
+    p.add_argument("--policy-file", type=Path, default=None, help="decision policy (default: the service's own)")
     p.add_argument("--redis-server", default=shutil.which("redis-server") or "")
     return p.parse_args(argv)
 

@@ -371,12 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         "oom_hook": {"status": hook.status, "reported": len(hook.reported), "spooled": len(hook.spooled)}
         if hook
         else None,
-        "step_s_median": sorted(engine.step_seconds)[len(engine.step_seconds) // 2]
-        if engine.step_seconds
-        else None,
-        "limit_changes": [
-            {"t": c.at - t0, "step": c.step, "limits": c.limits} for c in engine.control.changes
-        ],
+        "step_s_median": sorted(engine.step_seconds)[len(engine.step_seconds) // 2] if engine.step_seconds else None,
+        "limit_changes": [{"t": c.at - t0, "step": c.step, "limits": c.limits} for c in engine.control.changes],
         "resizes": [{**r, "t": r["t"] - t0} for r in engine.resizes],
         "timeline": engine.timeline,
         "requests": [relative(r.record(), t0) for r in requests],

@@ -149,9 +149,7 @@ def main() -> int:
                 "allocated_bytes": m.allocator.allocated_bytes,
                 "num_ooms": m.allocator.num_ooms,
                 "memory_snapshot_path": m.memory_snapshot_path,
-                "snapshot_bytes": (
-                    os.path.getsize(m.memory_snapshot_path) if m.memory_snapshot_path else 0
-                ),
+                "snapshot_bytes": (os.path.getsize(m.memory_snapshot_path) if m.memory_snapshot_path else 0),
             }
             for m in (events_pb2.OomEvent.FromString(b) for b in received)
         ]
@@ -166,8 +164,15 @@ def main() -> int:
     events: list[dict[str, Any]] = []
     if isinstance(result["grpc_received"], list):
         events.extend({**e, "via": "grpc"} for e in result["grpc_received"])
-    events.extend({**e, "allocated_bytes": e["allocator"].get("allocated_bytes"),
-                   "num_ooms": e["allocator"].get("num_ooms"), "via": "spool"} for e in spooled)
+    events.extend(
+        {
+            **e,
+            "allocated_bytes": e["allocator"].get("allocated_bytes"),
+            "num_ooms": e["allocator"].get("num_ooms"),
+            "via": "spool",
+        }
+        for e in spooled
+    )
     result["events_seen"] = len(events)
     for index, observed in enumerate(rounds):
         match = [e for e in events if e["requested_bytes"] == observed["chunk_bytes"]]
@@ -176,9 +181,9 @@ def main() -> int:
         if match:
             event = match[0]
             checks[f"{name}_requested_bytes_exact"] = event["requested_bytes"] == observed["chunk_bytes"]
-            checks[f"{name}_free_bytes_within_64MiB"] = (
-                abs(event["device_free_bytes"] - observed["free_at_exception"]) <= 64 * (1 << 20)
-            )
+            checks[f"{name}_free_bytes_within_64MiB"] = abs(
+                event["device_free_bytes"] - observed["free_at_exception"]
+            ) <= 64 * (1 << 20)
             checks[f"{name}_total_bytes_match"] = event["device_total_bytes"] == observed["total_at_exception"]
             checks[f"{name}_allocated_bytes_match"] = event["allocated_bytes"] == observed["allocated_at_exception"]
             checks[f"{name}_num_ooms_match"] = event["num_ooms"] == observed["num_ooms_at_exception"]

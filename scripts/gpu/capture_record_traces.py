@@ -88,11 +88,23 @@ class Recorder:
             self.nvml_processes_seen = True
         else:
             # NVML lists no processes inside this sandbox: fall back to what each process says it holds.
-            processes = [{"pid": me, "used_bytes": int(stats.get("reserved_bytes.all.current", 0)),
-                          "name": "target-engine", "is_target_engine": True}]
+            processes = [
+                {
+                    "pid": me,
+                    "used_bytes": int(stats.get("reserved_bytes.all.current", 0)),
+                    "name": "target-engine",
+                    "is_target_engine": True,
+                }
+            ]
             if self.peer_bytes is not None and self.peer_pid is not None and self.peer_pid.value:
-                processes.append({"pid": int(self.peer_pid.value), "used_bytes": int(self.peer_bytes.value),
-                                  "name": "neighbour", "is_target_engine": False})
+                processes.append(
+                    {
+                        "pid": int(self.peer_pid.value),
+                        "used_bytes": int(self.peer_bytes.value),
+                        "name": "neighbour",
+                        "is_target_engine": False,
+                    }
+                )
         return {
             "t": round(t, 4),
             "kind": "sample",
@@ -251,8 +263,7 @@ def record(name: str, out_dir: Path, duration_s: float) -> dict[str, Any]:
         neighbour.append(proc)
 
     recorder = Recorder(torch, reader, peer_bytes, peer_pid)
-    workloads = {"plateau": plateau, "linear_oom": linear_oom, "sawtooth_frag": sawtooth_frag,
-                 "contention": contention}
+    workloads = {"plateau": plateau, "linear_oom": linear_oom, "sawtooth_frag": sawtooth_frag, "contention": contention}
     recorder.start()
     time.sleep(0.5)
     outcome = workloads[name](torch, duration_s, stop=stop, start_neighbour=start_neighbour)
@@ -267,16 +278,18 @@ def record(name: str, out_dir: Path, duration_s: float) -> dict[str, Any]:
     for _path, event in spooled_events(spool):
         if event is None:
             continue
-        records.append({
-            "t": round(event["produced_at"] - recorder.t0_wall, 4),
-            "kind": "oom",
-            "requested_bytes": event["requested_bytes"],
-            "device_free_bytes": event["device_free_bytes"],
-            "device_total_bytes": event["device_total_bytes"],
-            "allocator": event["allocator"],
-            "message": event["message"],
-            "pid": event["pid"],
-        })
+        records.append(
+            {
+                "t": round(event["produced_at"] - recorder.t0_wall, 4),
+                "kind": "oom",
+                "requested_bytes": event["requested_bytes"],
+                "device_free_bytes": event["device_free_bytes"],
+                "device_total_bytes": event["device_total_bytes"],
+                "allocator": event["allocator"],
+                "message": event["message"],
+                "pid": event["pid"],
+            }
+        )
     records.sort(key=lambda r: (r["t"], r["kind"] == "oom"))
     first_gpu = reader.read()[0]
     header = TraceHeader(
@@ -284,8 +297,9 @@ def record(name: str, out_dir: Path, duration_s: float) -> dict[str, Any]:
         description=DESCRIPTIONS[name],
         recorded_on=f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
         f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(recorder.t0_wall))}",
-        target=TraceTarget(host=socket.gethostname(), gpu_uuid=first_gpu.gpu_uuid, mig_instance="",
-                           engine=f"trace-{name}"),
+        target=TraceTarget(
+            host=socket.gethostname(), gpu_uuid=first_gpu.gpu_uuid, mig_instance="", engine=f"trace-{name}"
+        ),
         total_bytes=first_gpu.total_bytes,
         extra={
             "sample_hz": HZ,
@@ -299,8 +313,15 @@ def record(name: str, out_dir: Path, duration_s: float) -> dict[str, Any]:
     count = write_trace(path, header, records)
     ooms = sum(1 for r in records if r["kind"] == "oom")
     peak = max((r["gpu"]["used_bytes"] for r in records if r["kind"] == "sample"), default=0)
-    return {"name": name, "records": count, "ooms": ooms, "outcome": outcome, "peak_used_gib": peak / GIB,
-            "bytes": path.stat().st_size, "processes_source": header.extra["processes_source"]}
+    return {
+        "name": name,
+        "records": count,
+        "ooms": ooms,
+        "outcome": outcome,
+        "peak_used_gib": peak / GIB,
+        "bytes": path.stat().st_size,
+        "processes_source": header.extra["processes_source"],
+    }
 
 
 def main() -> int:

@@ -44,8 +44,13 @@ class Case:
 
 CASES = [
     Case(KNOWN_MODELS["llama-3-8b"], batch=64, prompt_len=4032, new_tokens=64, max_batched_tokens=8064),
-    Case(ModelShape("llama-30b-gqa", 60, 6656, 17920, 52, 4, 128, 32000), batch=16, prompt_len=4032,
-         new_tokens=64, max_batched_tokens=8064),
+    Case(
+        ModelShape("llama-30b-gqa", 60, 6656, 17920, 52, 4, 128, 32000),
+        batch=16,
+        prompt_len=4032,
+        new_tokens=64,
+        max_batched_tokens=8064,
+    ),
     Case(KNOWN_MODELS["llama-2-7b"], batch=24, prompt_len=2016, new_tokens=32, max_batched_tokens=4032),
 ]
 
@@ -54,8 +59,12 @@ class Llama:
     def __init__(self, shape: ModelShape, device: torch.device) -> None:
         self.shape = shape
         dt = torch.bfloat16
-        h, q_out, kv_out, inter = (shape.hidden_size, shape.num_attention_heads * shape.head_dim,
-                                   shape.num_kv_heads * shape.head_dim, shape.intermediate_size)
+        h, q_out, kv_out, inter = (
+            shape.hidden_size,
+            shape.num_attention_heads * shape.head_dim,
+            shape.num_kv_heads * shape.head_dim,
+            shape.intermediate_size,
+        )
 
         def rand(*size: int) -> torch.Tensor:
             return torch.randn(*size, device=device, dtype=dt).mul_(0.02)
@@ -67,8 +76,13 @@ class Llama:
             {
                 "ln1": torch.ones(h, device=device, dtype=dt),
                 "ln2": torch.ones(h, device=device, dtype=dt),
-                "wq": rand(q_out, h), "wk": rand(kv_out, h), "wv": rand(kv_out, h), "wo": rand(h, q_out),
-                "wg": rand(inter, h), "wu": rand(inter, h), "wd": rand(h, inter),
+                "wq": rand(q_out, h),
+                "wk": rand(kv_out, h),
+                "wv": rand(kv_out, h),
+                "wo": rand(h, q_out),
+                "wg": rand(inter, h),
+                "wu": rand(inter, h),
+                "wd": rand(h, inter),
             }
             for _ in range(shape.num_layers)
         ]
@@ -115,14 +129,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
     return torch.cat(outs)
 
 
-def forward(model: Llama, tokens: torch.Tensor, rows: slice, pos0: int, cache: list[torch.Tensor],
-            cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def forward(
+    model: Llama,
+    tokens: torch.Tensor,
+    rows: slice,
+    pos0: int,
+    cache: list[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
     """One step over `tokens` (b, n) at positions pos0.. for batch rows `rows`; returns next tokens (b,)."""
     shape = model.shape
     b, n = tokens.shape
     heads, kv_heads, d = shape.num_attention_heads, shape.num_kv_heads, shape.head_dim
     x = F.embedding(tokens, model.embed)
-    c, s = cos[pos0:pos0 + n], sin[pos0:pos0 + n]
+    c, s = cos[pos0 : pos0 + n], sin[pos0 : pos0 + n]
     for index, layer in enumerate(model.layers):
         hn = F.rms_norm(x, (shape.hidden_size,), layer["ln1"], 1e-5)
         q = (hn @ layer["wq"].T).view(b, n, heads, d).transpose(1, 2)
@@ -131,10 +152,10 @@ def forward(model: Llama, tokens: torch.Tensor, rows: slice, pos0: int, cache: l
         del hn
         q, k = apply_rope(q, c, s), apply_rope(k, c, s)
         kv = cache[index]  # (2, batch, kv_heads, max_len, d)
-        kv[0, rows, :, pos0:pos0 + n] = k
-        kv[1, rows, :, pos0:pos0 + n] = v
+        kv[0, rows, :, pos0 : pos0 + n] = k
+        kv[1, rows, :, pos0 : pos0 + n] = v
         del k, v
-        keys, values = kv[0, rows, :, :pos0 + n], kv[1, rows, :, :pos0 + n]
+        keys, values = kv[0, rows, :, : pos0 + n], kv[1, rows, :, : pos0 + n]
         att = attention(q, keys, values, causal=n > 1)
         del q
         x = x + att.transpose(1, 2).reshape(b, n, heads * d) @ layer["wo"].T
@@ -175,8 +196,10 @@ def run_case(case: Case, device: torch.device) -> dict[str, Any]:
     model = Llama(shape, device)
     torch.cuda.synchronize()
     weights = torch.cuda.memory_allocated() - base
-    cache = [torch.empty(2, case.batch, shape.num_kv_heads, max_len, shape.head_dim, device=device,
-                         dtype=torch.bfloat16) for _ in range(shape.num_layers)]
+    cache = [
+        torch.empty(2, case.batch, shape.num_kv_heads, max_len, shape.head_dim, device=device, dtype=torch.bfloat16)
+        for _ in range(shape.num_layers)
+    ]
     kv = torch.cuda.memory_allocated() - base - weights
     cos, sin = rope_tables(shape.head_dim, max_len, device)
     prompts = torch.randint(0, shape.vocab_size, (case.batch, case.prompt_len), device=device)
@@ -190,8 +213,7 @@ def run_case(case: Case, device: torch.device) -> dict[str, Any]:
         prefill_s = time.perf_counter() - started
         generated = [next_tokens]
         for step in range(case.new_tokens - 1):
-            tok = forward(model, generated[-1][:, None], slice(0, case.batch), case.prompt_len + step,
-                          cache, cos, sin)
+            tok = forward(model, generated[-1][:, None], slice(0, case.batch), case.prompt_len + step, cache, cos, sin)
             generated.append(tok)
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
@@ -199,14 +221,29 @@ def run_case(case: Case, device: torch.device) -> dict[str, Any]:
     peak_reserved = torch.cuda.max_memory_reserved()
     nvml = nvml_process_bytes()
 
-    request = EstimateRequest(shape=shape, batch=case.batch, seq_len=max_len, dtype="bfloat16", tp=1,
-                              max_batched_tokens=rows_per_chunk * case.prompt_len)
+    request = EstimateRequest(
+        shape=shape,
+        batch=case.batch,
+        seq_len=max_len,
+        dtype="bfloat16",
+        tp=1,
+        max_batched_tokens=rows_per_chunk * case.prompt_len,
+    )
     breakdown = estimate(request)
     result = {
         "model": shape.name,
-        "shape": {k: getattr(shape, k) for k in ("num_layers", "hidden_size", "intermediate_size",
-                                                 "num_attention_heads", "num_kv_heads", "head_dim",
-                                                 "vocab_size")},
+        "shape": {
+            k: getattr(shape, k)
+            for k in (
+                "num_layers",
+                "hidden_size",
+                "intermediate_size",
+                "num_attention_heads",
+                "num_kv_heads",
+                "head_dim",
+                "vocab_size",
+            )
+        },
         "batch": case.batch,
         "prompt_len": case.prompt_len,
         "new_tokens": case.new_tokens,
@@ -249,12 +286,15 @@ def main() -> int:
         res = run_case(case, device)
         results.append(res)
         nvml_err = None if res["rel_error_nvml"] is None else round(100 * res["rel_error_nvml"], 2)
-        print(f"{res['model']:>16}  B={res['batch']:<3} T={res['prompt_len'] + res['new_tokens']:<5} "
-              f"peak alloc {res['measured']['peak_allocated_bytes'] / GIB:7.2f} GiB  "
-              f"estimate {res['estimate']['allocator_bytes'] / GIB:7.2f} GiB  "
-              f"err {100 * res['rel_error_allocated']:+.2f}%  reserved err {100 * res['rel_error_reserved']:+.2f}%"
-              f"  nvml err {nvml_err}"
-              f"  {res['total_s']} s", flush=True)
+        print(
+            f"{res['model']:>16}  B={res['batch']:<3} T={res['prompt_len'] + res['new_tokens']:<5} "
+            f"peak alloc {res['measured']['peak_allocated_bytes'] / GIB:7.2f} GiB  "
+            f"estimate {res['estimate']['allocator_bytes'] / GIB:7.2f} GiB  "
+            f"err {100 * res['rel_error_allocated']:+.2f}%  reserved err {100 * res['rel_error_reserved']:+.2f}%"
+            f"  nvml err {nvml_err}"
+            f"  {res['total_s']} s",
+            flush=True,
+        )
     summary = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

@@ -29,9 +29,6 @@ import grpc
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
-from sits_mesh.envoy_process import EnvoyProcess
-from sits_mesh.ext_proc import AdmissionProcessor, DecisionAdmitter, ExtProcServer, FilePressure
-from sits_mesh.policy import MeshPolicy
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from sits.demo.live import render
@@ -45,6 +42,9 @@ from sits.runtime.tap import TopicTap
 from sits.stack.embedded import EmbeddedStack, StackConfig
 from sits.stack.vllm_engine import VllmServer, make_random_llama
 from sits.v1 import common_pb2
+from sits_mesh.envoy_process import EnvoyProcess
+from sits_mesh.ext_proc import AdmissionProcessor, DecisionAdmitter, ExtProcServer, FilePressure
+from sits_mesh.policy import MeshPolicy
 
 ENGINE = "vllm-0"
 MESH_POLICY = Path(__file__).resolve().parents[2] / "mesh" / "policy.yaml"

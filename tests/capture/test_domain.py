@@ -82,8 +82,12 @@ def test_valid_oom_passes_and_every_reason_is_listed() -> None:
     verdict = validate_oom(bad, known_gpus={"GPU-2"})
     assert not verdict.ok
     text = str(verdict)
-    for part in ("requested_bytes must be positive", "device_free_bytes must not be negative",
-                 "allocator.num_ooms must not be negative", "unknown target"):
+    for part in (
+        "requested_bytes must be positive",
+        "device_free_bytes must not be negative",
+        "allocator.num_ooms must not be negative",
+        "unknown target",
+    ):
         assert part in text
 
 
@@ -96,8 +100,12 @@ def test_accepted_ooms_are_always_sane(requested: int, free: int, total: int) ->
 
 
 def test_compaction_strips_oldest_metric_segments_first() -> None:
-    segments = [SegmentUsage(1000, 900, 9), SegmentUsage(1000, 0, 0), SegmentUsage(1000, 800, 8),
-                SegmentUsage(500, 500, 5)]
+    segments = [
+        SegmentUsage(1000, 900, 9),
+        SegmentUsage(1000, 0, 0),
+        SegmentUsage(1000, 800, 8),
+        SegmentUsage(500, 500, 5),
+    ]
     plan = plan_spool_compaction(segments, 200, False, max_bytes=3000)
     assert plan.strip == (0,) and not plan.drop_incoming
     plan = plan_spool_compaction(segments, 200, False, max_bytes=2000)

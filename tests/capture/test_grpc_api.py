@@ -65,8 +65,9 @@ async def test_report_oom_accepted_and_published(capture: RunningCapture) -> Non
         ({"pid": -3}, "pid must not be negative"),
     ],
 )
-async def test_report_oom_refuses_absurd_fields(capture: RunningCapture, overrides: dict[str, object],
-                                                reason: str) -> None:
+async def test_report_oom_refuses_absurd_fields(
+    capture: RunningCapture, overrides: dict[str, object], reason: str
+) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await capture.stub.ReportOom(oom_event(**overrides))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -144,8 +145,13 @@ async def test_replayed_h200_trace_flows_to_stream_and_kafka(capture: RunningCap
         await asyncio.sleep(0)
 
     trace = read_trace(TRACES / "linear_oom.jsonl.gz")
-    source = ReplaySource(trace, speed=1.0, clock=clock, sleep=fast_sleep,
-                          target=TraceTarget(host="h1", gpu_uuid="GPU-replay", engine="vllm-0"))
+    source = ReplaySource(
+        trace,
+        speed=1.0,
+        clock=clock,
+        sleep=fast_sleep,
+        target=TraceTarget(host="h1", gpu_uuid="GPU-replay", engine="vllm-0"),
+    )
     capture.service.add_source(source)
     stop = asyncio.Event()
     await asyncio.wait_for(capture.service.run_source(source, stop), 20)
@@ -159,20 +165,31 @@ async def test_replayed_h200_trace_flows_to_stream_and_kafka(capture: RunningCap
 
 
 async def test_oom_hook_reports_over_grpc_and_falls_back_to_spool(capture: RunningCapture, tmp_path: Path) -> None:
-    stats = {"allocated_bytes": 9 * GIB, "reserved_bytes": 10 * GIB, "inactive_split_bytes": GIB,
-             "alloc_retries": 2, "num_ooms": 1}
-    hook = OomHook(HookConfig(capture_addr=capture.server.address, spool_dir=str(tmp_path / "hook"), engine="vllm-0",
-                              report_timeout_s=2.0),
-                   stats_reader=lambda _device: stats, gpu_uuid_of=lambda _device: "GPU-hook")
+    stats = {
+        "allocated_bytes": 9 * GIB,
+        "reserved_bytes": 10 * GIB,
+        "inactive_split_bytes": GIB,
+        "alloc_retries": 2,
+        "num_ooms": 1,
+    }
+    hook = OomHook(
+        HookConfig(
+            capture_addr=capture.server.address, spool_dir=str(tmp_path / "hook"), engine="vllm-0", report_timeout_s=2.0
+        ),
+        stats_reader=lambda _device: stats,
+        gpu_uuid_of=lambda _device: "GPU-hook",
+    )
     # PyTorch calls the observer with (device, requested, device total, device free).
     await asyncio.to_thread(hook.on_oom, 0, 3 * GIB, 140 * GIB, GIB)
     await asyncio.to_thread(hook.wait_idle, 10)
     assert len(hook.reported) == 1 and hook.spooled == []
     await wait_for(lambda: capture.publisher.stats.published >= 1)
 
-    unreachable = OomHook(HookConfig(capture_addr="127.0.0.1:1", spool_dir=str(tmp_path / "hook"),
-                                     report_timeout_s=0.2),
-                          stats_reader=lambda _device: stats, gpu_uuid_of=lambda _device: "GPU-hook")
+    unreachable = OomHook(
+        HookConfig(capture_addr="127.0.0.1:1", spool_dir=str(tmp_path / "hook"), report_timeout_s=0.2),
+        stats_reader=lambda _device: stats,
+        gpu_uuid_of=lambda _device: "GPU-hook",
+    )
     await asyncio.to_thread(unreachable.on_oom, 0, 5 * GIB, 140 * GIB, GIB)
     await asyncio.to_thread(unreachable.wait_idle, 10)
     assert len(unreachable.spooled) == 1

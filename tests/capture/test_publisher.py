@@ -56,8 +56,9 @@ async def read_all(settings: Settings, topic: str, expected: int, timeout_s: flo
 
 @pytest.fixture
 async def running(settings: Settings, tmp_path: Path) -> AsyncIterator[CapturePublisher]:
-    publisher = CapturePublisher(lambda: TopicEnsuringProducer(settings), Spool(tmp_path / "spool"),
-                                 Topics(settings.topic_prefix))
+    publisher = CapturePublisher(
+        lambda: TopicEnsuringProducer(settings), Spool(tmp_path / "spool"), Topics(settings.topic_prefix)
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(publisher.run(stop))
     yield publisher
@@ -72,8 +73,9 @@ async def wait_for(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[
         await asyncio.sleep(0.05)
 
 
-async def test_publishes_samples_and_ooms_keyed_by_target(running: CapturePublisher, settings: Settings,
-                                                          topics: Topics) -> None:
+async def test_publishes_samples_and_ooms_keyed_by_target(
+    running: CapturePublisher, settings: Settings, topics: Topics
+) -> None:
     for i in range(50):
         running.submit(sample(i, gpu="GPU-a" if i % 2 else "GPU-b"))
     running.submit(oom(1))
@@ -89,11 +91,13 @@ async def test_publishes_samples_and_ooms_keyed_by_target(running: CapturePublis
 async def test_outage_spools_and_drains_in_order(tmp_path: Path, topic_prefix: str) -> None:
     broker = TansuBroker(tmp_path / "tansu")
     broker.start()
-    settings = Settings(kafka_bootstrap=broker.bootstrap, topic_prefix=topic_prefix, kafka_partitions=1,
-                        kafka_request_timeout_ms=1500)
+    settings = Settings(
+        kafka_bootstrap=broker.bootstrap, topic_prefix=topic_prefix, kafka_partitions=1, kafka_request_timeout_ms=1500
+    )
     topics = Topics(topic_prefix)
-    publisher = CapturePublisher(lambda: TopicEnsuringProducer(settings), Spool(tmp_path / "spool"), topics,
-                                 delivery_timeout_s=3.0)
+    publisher = CapturePublisher(
+        lambda: TopicEnsuringProducer(settings), Spool(tmp_path / "spool"), topics, delivery_timeout_s=3.0
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(publisher.run(stop))
     try:

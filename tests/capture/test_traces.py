@@ -29,23 +29,41 @@ def _records() -> list[dict[str, object]]:
         {
             "t": 0.0,
             "kind": "sample",
-            "gpu": {"used_bytes": 10 * GIB, "total_bytes": 80 * GIB, "reserved_bytes": GIB,
-                    "free_bytes": 69 * GIB, "utilization_pct": 42.5},
+            "gpu": {
+                "used_bytes": 10 * GIB,
+                "total_bytes": 80 * GIB,
+                "reserved_bytes": GIB,
+                "free_bytes": 69 * GIB,
+                "utilization_pct": 42.5,
+            },
             "processes": [{"pid": 7, "used_bytes": 9 * GIB, "name": "python", "is_target_engine": True}],
-            "allocator": {"allocated_bytes": 8 * GIB, "reserved_bytes": 9 * GIB, "inactive_split_bytes": 3,
-                          "alloc_retries": 0, "num_ooms": 0},
+            "allocator": {
+                "allocated_bytes": 8 * GIB,
+                "reserved_bytes": 9 * GIB,
+                "inactive_split_bytes": 3,
+                "alloc_retries": 0,
+                "num_ooms": 0,
+            },
             "engine": {"kv_cache_usage": 0.5, "num_requests_running": 3, "num_requests_waiting": 1},
         },
         {"t": 0.1, "kind": "sample", "gpu": {"used_bytes": 11 * GIB, "total_bytes": 80 * GIB}},
-        {"t": 0.2, "kind": "oom", "requested_bytes": 2 * GIB, "device_free_bytes": GIB,
-         "device_total_bytes": 80 * GIB, "allocator": {"num_ooms": 1}, "message": "boom"},
+        {
+            "t": 0.2,
+            "kind": "oom",
+            "requested_bytes": 2 * GIB,
+            "device_free_bytes": GIB,
+            "device_total_bytes": 80 * GIB,
+            "allocator": {"num_ooms": 1},
+            "message": "boom",
+        },
     ]
 
 
 @pytest.mark.parametrize("name", ["t.jsonl.gz", "t.jsonl"])
 def test_write_then_read_round_trips(tmp_path: Path, name: str) -> None:
-    header = TraceHeader(name="steady", description="d", recorded_on="H200", target=TARGET,
-                         total_bytes=80 * GIB, extra={"note": "x"})
+    header = TraceHeader(
+        name="steady", description="d", recorded_on="H200", target=TARGET, total_bytes=80 * GIB, extra={"note": "x"}
+    )
     path = tmp_path / name
     assert write_trace(path, header, _records()) == 3
     trace = read_trace(path)

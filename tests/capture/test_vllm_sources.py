@@ -37,10 +37,21 @@ class VllmHttpServer(VllmServer):
 
     def command(self) -> list[str]:
         return [
-            *super().command()[:1], "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
-            "--skip-tokenizer-init", "--max-model-len", str(self.max_model_len),
-            "--max-num-seqs", str(self.max_num_seqs), "--enforce-eager",
+            *super().command()[:1],
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--skip-tokenizer-init",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--enforce-eager",
         ]
 
     async def _wait_healthy(self) -> None:
@@ -59,8 +70,7 @@ class VllmHttpServer(VllmServer):
 @pytest.fixture(scope="module")
 async def vllm_http(random_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmHttpServer]:
     log_path = tmp_path_factory.mktemp("vllm-http") / "vllm.log"
-    server = VllmHttpServer(random_llama_dir, max_num_seqs=8, max_model_len=512, scheduler_cls=None,
-                            log_path=log_path)
+    server = VllmHttpServer(random_llama_dir, max_num_seqs=8, max_model_len=512, scheduler_cls=None, log_path=log_path)
     await server.start()
     try:
         yield server
@@ -87,12 +97,15 @@ async def test_grpc_source_reads_loads_under_traffic(vllm_engine: VllmServer) ->
     async with __import__("grpc").aio.insecure_channel(vllm_engine.address) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         requests = [
-            stub.Generate(vllm_engine_pb2.GenerateRequest(
-                request_id=f"capture-{i}",
-                tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[(i * 13 + j) % 500 + 1 for j in range(32)]),
-                sampling_params=vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True),
-                stream=True,
-            ), timeout=120)
+            stub.Generate(
+                vllm_engine_pb2.GenerateRequest(
+                    request_id=f"capture-{i}",
+                    tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[(i * 13 + j) % 500 + 1 for j in range(32)]),
+                    sampling_params=vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True),
+                    stream=True,
+                ),
+                timeout=120,
+            )
             for i in range(8)
         ]
 
@@ -132,8 +145,13 @@ async def test_grpc_source_turns_unhealthy_when_engine_is_gone() -> None:
 async def test_metrics_source_scrapes_real_vllm_http_server(vllm_http: VllmHttpServer) -> None:
     async with httpx.AsyncClient() as client:
         values = parse_vllm_metrics((await client.get(vllm_http.metrics_url)).text)
-    assert set(values) == {"kv_cache_usage", "num_requests_running", "num_requests_waiting", "num_preemptions",
-                           "admission_rejections"}
+    assert set(values) == {
+        "kv_cache_usage",
+        "num_requests_running",
+        "num_requests_waiting",
+        "num_preemptions",
+        "admission_rejections",
+    }
     source = VllmMetricsSource(vllm_http.metrics_url, TARGET, interval_s=0.1, timeout_s=5.0)
     samples = await collect(source, 3, timeout_s=20)
     assert len(samples) == 3

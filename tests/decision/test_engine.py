@@ -17,8 +17,9 @@ from sits.runtime.clock import ManualClock
 from tests.decision.decision_builders import GIB, TARGET, TOTAL, make_sample
 
 
-def _run(engine: DecisionEngine, clock: ManualClock, series: list[float], start: float = 0.0,
-         hz: float = 10.0) -> list[tuple[float, PlannedCommand]]:
+def _run(
+    engine: DecisionEngine, clock: ManualClock, series: list[float], start: float = 0.0, hz: float = 10.0
+) -> list[tuple[float, PlannedCommand]]:
     """Feed (t, fraction) pairs; return (t, command) for every command."""
     out = []
     for i, frac in enumerate(series):
@@ -88,8 +89,17 @@ def test_never_two_commands_for_one_target_inside_its_cooldown(policy: Policy, c
 def test_an_oom_is_acted_on_with_its_root_cause(engine: DecisionEngine, clock: ManualClock) -> None:
     for i in range(50):
         engine.observe(make_sample(i * 0.1, 0.7))
-    commands = engine.observe_oom(OomEvent(TARGET, 5.0, "oom-1", requested_bytes=2 * GIB, device_free_bytes=GIB,
-                                           device_total_bytes=TOTAL, message="CUDA out of memory"))
+    commands = engine.observe_oom(
+        OomEvent(
+            TARGET,
+            5.0,
+            "oom-1",
+            requested_bytes=2 * GIB,
+            device_free_bytes=GIB,
+            device_total_bytes=TOTAL,
+            message="CUDA out of memory",
+        )
+    )
     assert [c.kind for c in commands] == [ActionKind.ABORT_LOW_PRIORITY]
     assert commands[0].cause_event_id == "oom-1"
     assert any(e.name == "oom_requested_bytes" and e.value == 2 * GIB for e in commands[0].evidence)
@@ -129,8 +139,12 @@ def test_put_policy_keeps_latches_only_for_rules_that_remain(engine: DecisionEng
     engine.observe(make_sample(1.0, 0.5, engine=EngineLoad(kv_cache_usage=0.99)))
     explanation = engine.explain(TARGET)
     assert explanation is not None and explanation.latched_rules == ("kv-usage-shed-p2",)
-    engine.set_policy(parse_policy("rules:\n  - name: other\n    when: {memory_fraction_above: 0.99}\n"
-                                   "    then: {kind: FLUSH_CACHE}\n", version=2))
+    engine.set_policy(
+        parse_policy(
+            "rules:\n  - name: other\n    when: {memory_fraction_above: 0.99}\n    then: {kind: FLUSH_CACHE}\n",
+            version=2,
+        )
+    )
     explanation = engine.explain(TARGET)
     assert explanation is not None and explanation.latched_rules == ()
     assert math.isfinite(explanation.forecast.memory_fraction)

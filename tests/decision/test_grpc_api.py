@@ -22,8 +22,11 @@ Served = tuple[DecisionEngine, Any]
 
 @pytest.fixture
 async def served() -> AsyncIterator[Served]:
-    engine = DecisionEngine(parse_policy(DEFAULT_POLICY.read_text()), ManualClock(1_000_000.0),
-                            profiles={"vllm-0": EngineProfile(known_model("llama-3-8b"))})
+    engine = DecisionEngine(
+        parse_policy(DEFAULT_POLICY.read_text()),
+        ManualClock(1_000_000.0),
+        profiles={"vllm-0": EngineProfile(known_model("llama-3-8b"))},
+    )
     server = grpc.aio.server()
     decision_pb2_grpc.add_DecisionServicer_to_server(DecisionService(engine), server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port("127.0.0.1:0")
@@ -70,8 +73,9 @@ async def test_put_policy_validates_versions_and_keeps_the_old_one_on_error(serv
 
 async def test_evaluate_is_a_what_if_and_explain_reports_the_live_window(served: Served) -> None:
     engine, stub = served
-    samples = [convert.sample_to_pb(make_sample(i * 0.1, 0.5 + 0.004 * max(0, i - 300), event_id=f"e{i}"))
-               for i in range(450)]
+    samples = [
+        convert.sample_to_pb(make_sample(i * 0.1, 0.5 + 0.004 * max(0, i - 300), event_id=f"e{i}")) for i in range(450)
+    ]
     result = await stub.Evaluate(decision_pb2.EvaluateRequest(samples=samples))
     assert result.commands and result.commands[0].HasField("engine_limits")
     assert result.forecast.HasField("time_to_oom_seconds")

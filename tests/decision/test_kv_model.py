@@ -30,8 +30,15 @@ def test_llama_3_8b_parameter_count_is_the_published_one() -> None:
 
 
 def test_hf_config_gives_the_same_shape_as_the_table() -> None:
-    config = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
-              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}
+    config = {
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+    }
     shape = shape_from_hf_config(config)
     table = known_model("llama-3-8b")
     assert shape.kv_bytes_per_token(2) == table.kv_bytes_per_token(2)
@@ -64,8 +71,18 @@ def test_estimate_and_fit_are_consistent() -> None:
 
 def test_cli_prints_json_for_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
-                                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}))
+    config.write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 2,
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 512,
+            }
+        )
+    )
     code = estimator_cli.main([str(config), "--batch", "2", "--seq-len", "64", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0

@@ -75,8 +75,10 @@ rules:
 
 
 def test_two_actions_for_one_scope_are_refused() -> None:
-    text = GOOD_RULE.replace("    then:\n      kind: SHED_PRIORITY\n      priority: P2\n",
-                             "    then:\n      - kind: FLUSH_CACHE\n      - kind: PAUSE_ADMISSION\n")
+    text = GOOD_RULE.replace(
+        "    then:\n      kind: SHED_PRIORITY\n      priority: P2\n",
+        "    then:\n      - kind: FLUSH_CACHE\n      - kind: PAUSE_ADMISSION\n",
+    )
     [(field, line, message)] = _problems(text)
     assert field == "rules.0.then" and line == 6 and "scope" in message
 

@@ -21,9 +21,15 @@ def kv_growth() -> list[Sample]:
         tokens = 10_000 + 1_000 * i
         allocated = 60 * GIB + tokens * 131072
         alloc = AllocatorStats(int(allocated), int(allocated + 2 * GIB), 0)
-        out.append(make_sample(i * 0.5, (allocated + 3 * GIB) / TOTAL, allocator=alloc,
-                               engine=EngineLoad(kv_cache_usage=0.3 + 0.007 * i, tokens_in_flight=tokens),
-                               processes=(_own(allocated + 3 * GIB),)))
+        out.append(
+            make_sample(
+                i * 0.5,
+                (allocated + 3 * GIB) / TOTAL,
+                allocator=alloc,
+                engine=EngineLoad(kv_cache_usage=0.3 + 0.007 * i, tokens_in_flight=tokens),
+                processes=(_own(allocated + 3 * GIB),),
+            )
+        )
     return out
 
 
@@ -33,10 +39,15 @@ def adapter_leak() -> list[Sample]:
         adapters = min(i // 10, 6) if i < 60 else 1
         allocated = 50 * GIB + min(i // 10, 6) * GIB  # memory stays after the unload at i = 60
         alloc = AllocatorStats(int(allocated), int(allocated + GIB), 0)
-        out.append(make_sample(i * 0.5, (allocated + 2 * GIB) / TOTAL, allocator=alloc,
-                               engine=EngineLoad(kv_cache_usage=0.4, tokens_in_flight=5000,
-                                                 lora_adapters_loaded=adapters),
-                               processes=(_own(allocated + 2 * GIB),)))
+        out.append(
+            make_sample(
+                i * 0.5,
+                (allocated + 2 * GIB) / TOTAL,
+                allocator=alloc,
+                engine=EngineLoad(kv_cache_usage=0.4, tokens_in_flight=5000, lora_adapters_loaded=adapters),
+                processes=(_own(allocated + 2 * GIB),),
+            )
+        )
     return out
 
 
@@ -47,8 +58,15 @@ def collective_growth() -> list[Sample]:
         outside = 1 * GIB + i * 0.2 * GIB  # NCCL buffers: NVML sees them, the allocator does not
         alloc = AllocatorStats(int(reserved - 2 * GIB), int(reserved), int(0.5 * GIB))
         own = reserved + outside
-        out.append(make_sample(i * 0.5, own / TOTAL, allocator=alloc, processes=(_own(own),),
-                               engine=EngineLoad(kv_cache_usage=0.5, tokens_in_flight=20_000)))
+        out.append(
+            make_sample(
+                i * 0.5,
+                own / TOTAL,
+                allocator=alloc,
+                processes=(_own(own),),
+                engine=EngineLoad(kv_cache_usage=0.5, tokens_in_flight=20_000),
+            )
+        )
     return out
 
 
@@ -58,8 +76,15 @@ def fragmentation() -> list[Sample]:
         reserved = 80 * GIB
         allocated = 40 * GIB + (i % 5) * GIB
         alloc = AllocatorStats(int(allocated), int(reserved), int(25 * GIB))
-        out.append(make_sample(i * 0.5, (reserved + GIB) / TOTAL, allocator=alloc, processes=(_own(reserved + GIB),),
-                               engine=EngineLoad(kv_cache_usage=0.5, tokens_in_flight=20_000)))
+        out.append(
+            make_sample(
+                i * 0.5,
+                (reserved + GIB) / TOTAL,
+                allocator=alloc,
+                processes=(_own(reserved + GIB),),
+                engine=EngineLoad(kv_cache_usage=0.5, tokens_in_flight=20_000),
+            )
+        )
     return out
 
 
@@ -69,19 +94,28 @@ def contention() -> list[Sample]:
         own = 60 * GIB
         other = 5 * GIB + i * 0.5 * GIB
         alloc = AllocatorStats(int(own - 3 * GIB), int(own - GIB), 0)
-        out.append(make_sample(i * 0.5, (own + other) / TOTAL, allocator=alloc,
-                               processes=(_own(own), ProcessMemory(200, int(other), "trainer", False)),
-                               engine=EngineLoad(kv_cache_usage=0.5, tokens_in_flight=20_000)))
+        out.append(
+            make_sample(
+                i * 0.5,
+                (own + other) / TOTAL,
+                allocator=alloc,
+                processes=(_own(own), ProcessMemory(200, int(other), "trainer", False)),
+                engine=EngineLoad(kv_cache_usage=0.5, tokens_in_flight=20_000),
+            )
+        )
     return out
 
 
-@pytest.mark.parametrize(("window", "expected"), [
-    (kv_growth, RootCauseKind.LONG_CONTEXT_KV_GROWTH),
-    (adapter_leak, RootCauseKind.ADAPTER_LEAK),
-    (collective_growth, RootCauseKind.COLLECTIVE_BUFFER_GROWTH),
-    (fragmentation, RootCauseKind.FRAGMENTATION),
-    (contention, RootCauseKind.MULTI_TENANT_CONTENTION),
-])
+@pytest.mark.parametrize(
+    ("window", "expected"),
+    [
+        (kv_growth, RootCauseKind.LONG_CONTEXT_KV_GROWTH),
+        (adapter_leak, RootCauseKind.ADAPTER_LEAK),
+        (collective_growth, RootCauseKind.COLLECTIVE_BUFFER_GROWTH),
+        (fragmentation, RootCauseKind.FRAGMENTATION),
+        (contention, RootCauseKind.MULTI_TENANT_CONTENTION),
+    ],
+)
 def test_each_cause_is_recognised_with_evidence(window: Callable[[], list[Sample]], expected: RootCauseKind) -> None:
     cause = classify(window(), kv_bytes_per_token=131072)
     assert cause.kind is expected
@@ -96,7 +130,14 @@ def test_collective_growth_is_not_taken_for_fragmentation_or_kv_growth() -> None
 
 
 def test_a_quiet_window_has_no_cause() -> None:
-    quiet = [make_sample(i * 0.5, 0.5, allocator=AllocatorStats(60 * GIB, 62 * GIB, 0),
-                         engine=EngineLoad(kv_cache_usage=0.5, tokens_in_flight=1000)) for i in range(N)]
+    quiet = [
+        make_sample(
+            i * 0.5,
+            0.5,
+            allocator=AllocatorStats(60 * GIB, 62 * GIB, 0),
+            engine=EngineLoad(kv_cache_usage=0.5, tokens_in_flight=1000),
+        )
+        for i in range(N)
+    ]
     assert classify(quiet).kind is RootCauseKind.NONE
     assert classify([]).kind is RootCauseKind.NONE

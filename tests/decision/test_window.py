@@ -60,12 +60,34 @@ _floats = st.floats(allow_nan=True, allow_infinity=True)
 @st.composite
 def absurd_samples(draw: st.DrawFn) -> Sample:
     gpu = draw(st.none() | st.builds(GpuMemory, _bytes, _bytes, _bytes, _bytes, _floats))
-    engine = draw(st.none() | st.builds(EngineLoad, _floats, st.integers(-10, 10**12), st.integers(-10, 10),
-                                        st.integers(-10, 10), st.integers(-10, 10), _bytes, _bytes, _bytes,
-                                        st.integers(-10, 100), st.integers(-10, 10)))
+    engine = draw(
+        st.none()
+        | st.builds(
+            EngineLoad,
+            _floats,
+            st.integers(-10, 10**12),
+            st.integers(-10, 10),
+            st.integers(-10, 10),
+            st.integers(-10, 10),
+            _bytes,
+            _bytes,
+            _bytes,
+            st.integers(-10, 100),
+            st.integers(-10, 10),
+        )
+    )
     allocator = draw(st.none() | st.builds(AllocatorStats, _bytes, _bytes, _bytes, _bytes, _bytes))
-    return Sample(TARGET, draw(_floats), draw(st.text(max_size=3)), draw(st.sampled_from(["a", "b"])),
-                  draw(st.integers(0, 5)), gpu, (), engine, allocator)
+    return Sample(
+        TARGET,
+        draw(_floats),
+        draw(st.text(max_size=3)),
+        draw(st.sampled_from(["a", "b"])),
+        draw(st.integers(0, 5)),
+        gpu,
+        (),
+        engine,
+        allocator,
+    )
 
 
 @settings(max_examples=300, deadline=None)

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import yaml
 from pydantic_settings import BaseSettings
-from sits_mesh.envoy_process import validate_config
 
 from sits.runtime.settings import ENV_PREFIX
 from sits.settings_cli import all_settings
 from sits.stack.vllm_engine import SITS_SCHEDULER_CLS
+from sits_mesh.envoy_process import validate_config
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"

@@ -8,8 +8,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from sits_mesh.envoy_process import EnvoyProcess
-from sits_mesh.policy import Endpoint, MeshPolicy
 
 from services.executor.adapters.engine import EngineControlClient
 from services.executor.adapters.envoy import EnvoyAdmin, breaker_runtime_key, read_pressure_file
@@ -21,6 +19,8 @@ from sits.runtime.grpcserver import GrpcServer, ServiceBinding, bearer_metadata
 from sits.runtime.redis import connect
 from sits.stack.vllm_engine import VllmServer
 from sits.v1 import common_pb2, events_pb2, executor_pb2, executor_pb2_grpc
+from sits_mesh.envoy_process import EnvoyProcess
+from sits_mesh.policy import Endpoint, MeshPolicy
 from tests.executor.conftest import ENGINE, Published, healing_command, make_executor
 from tests.executor.engine_streams import start_streams
 

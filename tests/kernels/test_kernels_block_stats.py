@@ -25,8 +25,9 @@ def seed() -> int:
     return random.SystemRandom().randrange(2**31)
 
 
-def make_pool(gen: torch.Generator, num_blocks: int, num_seqs: int, max_cols: int, share: bool,
-              free_fraction: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_pool(
+    gen: torch.Generator, num_blocks: int, num_seqs: int, max_cols: int, share: bool, free_fraction: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A -1 padded table, its lengths, and a shuffled free list over the rest of the pool."""
     order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
     lens = torch.randint(0, max_cols + 1, (num_seqs,), generator=gen, dtype=torch.int32)
@@ -35,7 +36,7 @@ def make_pool(gen: torch.Generator, num_blocks: int, num_seqs: int, max_cols: in
     for row, n in enumerate(lens.tolist()):
         n = min(n, num_blocks - taken)
         lens[row] = n
-        table[row, :n] = order[taken:taken + n]
+        table[row, :n] = order[taken : taken + n]
         taken += n
     if share and num_seqs > 1 and int(lens[0]) > 0:
         shared = min(int(lens[0]), int(lens[1]))
@@ -64,8 +65,9 @@ def test_block_stats_match_reference(case: int, with_lens: bool, config: StatsLa
     gen = torch.Generator().manual_seed(seed)
     num_blocks = int(torch.randint(200, 700, (1,), generator=gen))
     num_seqs = int(torch.randint(1, 9, (1,), generator=gen))
-    table, lens, free = make_pool(gen, num_blocks, num_seqs, max_cols=40, share=case % 2 == 0,
-                                  free_fraction=[1.0, 0.9, 0.5, 0.97][case])
+    table, lens, free = make_pool(
+        gen, num_blocks, num_seqs, max_cols=40, share=case % 2 == 0, free_fraction=[1.0, 0.9, 0.5, 0.97][case]
+    )
     if with_lens:
         table = table.clamp(min=0)  # vLLM pads with 0 and keeps the lengths aside
     workspace = BlockStatsWorkspace(num_blocks, "cpu", config)

@@ -84,8 +84,9 @@ def test_snapshot_of_odd_layout_on_gpu(seed: int) -> None:
     assert torch.equal(got, snapshot_reference(caches, plan)), f"seed {seed}"
 
 
-def random_pool(gen: torch.Generator, num_blocks: int, rows: int,
-                cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def random_pool(
+    gen: torch.Generator, num_blocks: int, rows: int, cols: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     order = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
     lens = torch.randint(0, 90, (rows,), device="cuda", generator=gen, dtype=torch.int32)
     starts = torch.cumsum(lens, 0) - lens

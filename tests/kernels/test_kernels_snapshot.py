@@ -35,7 +35,7 @@ def random_table(gen: torch.Generator, num_blocks: int, num_seqs: int, cols: int
     taken = 0
     for row in range(num_seqs):
         n = min(int(torch.randint(2, cols + 1, (1,), generator=gen)), num_blocks - taken)
-        table[row, :n] = order[taken:taken + n]
+        table[row, :n] = order[taken : taken + n]
         taken += n
     return table
 
@@ -50,17 +50,16 @@ def test_kernel_runs_in_triton_interpreter() -> None:
 
 # (layout shape with NB standing for num_blocks, block_dim, dtype)
 LAYOUTS = [
-    ((2, "NB", 4, 2, 8), 1, torch.bfloat16),   # vLLM: [2, num_blocks, block_size, kv_heads, head_dim]
-    ((2, "NB", 2, 3, 5), 1, torch.float32),    # odd sizes: masked loop, narrow alignment
-    (("NB", 2, 4, 2, 8), 0, torch.bfloat16),   # block-major: one segment per tile
-    ((2, "NB", 4, 1, 3), 1, torch.uint8),      # one-byte elements, byte words
+    ((2, "NB", 4, 2, 8), 1, torch.bfloat16),  # vLLM: [2, num_blocks, block_size, kv_heads, head_dim]
+    ((2, "NB", 2, 3, 5), 1, torch.float32),  # odd sizes: masked loop, narrow alignment
+    (("NB", 2, 4, 2, 8), 0, torch.bfloat16),  # block-major: one segment per tile
+    ((2, "NB", 4, 1, 3), 1, torch.uint8),  # one-byte elements, byte words
 ]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["vllm-bf16", "odd-f32", "block-major", "bytes"])
 @pytest.mark.parametrize("mode", ["staged", "zero_copy", "copy_engine", "dma_batch"])
-def test_snapshot_matches_indexing(layout: tuple[tuple[object, ...], int, torch.dtype], mode: str,
-                                   seed: int) -> None:
+def test_snapshot_matches_indexing(layout: tuple[tuple[object, ...], int, torch.dtype], mode: str, seed: int) -> None:
     shape_spec, block_dim, dtype = layout
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 24
@@ -119,7 +118,7 @@ def test_runs_stay_inside_one_allocation(seed: int) -> None:
     table = random_table(gen, 30, num_seqs=3, cols=8)
     plan = plan_snapshot(caches, table, [0, 1, 2], range(4), stride=1)
     for first, count, _ in plan.strided_runs.tolist():
-        assert len(set(plan.tiles[first:first + count, 1].tolist())) == 1  # one layer, one allocation
+        assert len(set(plan.tiles[first : first + count, 1].tolist())) == 1  # one layer, one allocation
 
 
 def test_irregular_plan_falls_back_to_the_gather_kernel(seed: int) -> None:

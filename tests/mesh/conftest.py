@@ -16,12 +16,12 @@ from typing import Any
 
 import grpc
 import pytest
-from sits_mesh.envoy_process import EnvoyProcess
-from sits_mesh.ext_proc import AdmissionProcessor, DecisionAdmitter, ExtProcServer, FilePressure
-from sits_mesh.policy import MeshPolicy
 
 from sits.stack.vllm_engine import VllmServer, make_random_llama
 from sits.v1 import common_pb2, decision_pb2_grpc
+from sits_mesh.envoy_process import EnvoyProcess
+from sits_mesh.ext_proc import AdmissionProcessor, DecisionAdmitter, ExtProcServer, FilePressure
+from sits_mesh.policy import MeshPolicy
 from tests.mesh.helpers import KV_BYTES_PER_TOKEN, KvRuleDecision
 
 # The peer says this much KV is free: 4096 tokens' worth of the test model (tests lower it).
@@ -86,23 +86,23 @@ async def start_mesh(
     async with contextlib.AsyncExitStack() as stack:
 
         async def start(**fields: Any) -> MeshStack:
-            base = MeshPolicy.model_validate({
-                "listener": {"port": 0},
-                "admin": {"port": 0},
-                "upstream": {"address": "127.0.0.1", "port": mesh_engine.port},
-                "overload": {"pressure_file": str(tmp_path / PRESSURE_FILE)},
-                "access_log_path": str(tmp_path / "access.log"),
-                **fields,
-            })
+            base = MeshPolicy.model_validate(
+                {
+                    "listener": {"port": 0},
+                    "admin": {"port": 0},
+                    "upstream": {"address": "127.0.0.1", "port": mesh_engine.port},
+                    "overload": {"pressure_file": str(tmp_path / PRESSURE_FILE)},
+                    "access_log_path": str(tmp_path / "access.log"),
+                    **fields,
+                }
+            )
             admitter = DecisionAdmitter(
                 decision_addr, common_pb2.Target(host="test-host", engine="vllm-0"), timeout_s=2.0
             )
             stack.push_async_callback(admitter.close)
             processor = AdmissionProcessor(base, admitter, FilePressure(tmp_path / PRESSURE_FILE, max_age_s=0.0))
             ext_proc = await stack.enter_async_context(ExtProcServer(processor))
-            policy = base.model_copy(
-                update={"admission": base.admission.model_copy(update={"port": ext_proc.port})}
-            )
+            policy = base.model_copy(update={"admission": base.admission.model_copy(update={"port": ext_proc.port})})
             envoy = await stack.enter_async_context(EnvoyProcess(policy, workdir=tmp_path / "envoy"))
             return MeshStack(envoy, ext_proc, processor, admitter)
 

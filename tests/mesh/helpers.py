@@ -14,10 +14,10 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.settings
-from sits_mesh.admission import kv_reason
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from sits.v1 import decision_pb2, decision_pb2_grpc
+from sits_mesh.admission import kv_reason
 
 GENERATE_PATH = "/vllm.grpc.engine.VllmEngine/Generate"
 _ids = itertools.count()
@@ -125,11 +125,18 @@ class SlowReader:
         )
         self._conn.initiate_connection()
         self._stream_id = self._conn.get_next_available_stream_id()
-        self._conn.send_headers(self._stream_id, [
-            (":method", "POST"), (":scheme", "http"), (":path", GENERATE_PATH),
-            (":authority", f"{self.host}:{self.port}"), ("content-type", "application/grpc"),
-            ("te", "trailers"), ("x-sits-priority", priority),
-        ])
+        self._conn.send_headers(
+            self._stream_id,
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", GENERATE_PATH),
+                (":authority", f"{self.host}:{self.port}"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+                ("x-sits-priority", priority),
+            ],
+        )
         self._conn.send_data(self._stream_id, grpc_frame(request.SerializeToString()), end_stream=True)
         await self._flush()
 
@@ -191,9 +198,7 @@ class KvRuleDecision(decision_pb2_grpc.DecisionServicer):
         self.calls.append(request)
         needed = (request.prompt_tokens + request.max_tokens) * KV_BYTES_PER_TOKEN
         admitted = needed <= self.free_kv_bytes
-        reason = "" if admitted else kv_reason(
-            needed, self.free_kv_bytes, request.prompt_tokens, request.max_tokens
-        )
+        reason = "" if admitted else kv_reason(needed, self.free_kv_bytes, request.prompt_tokens, request.max_tokens)
         return decision_pb2.AdmitResponse(
             admitted=admitted, reason=reason, kv_bytes_needed=needed, kv_bytes_free=self.free_kv_bytes
         )

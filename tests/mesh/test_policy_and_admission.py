@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from smg_grpc_proto import vllm_engine_pb2
+
+from sits.runtime.clock import ManualClock
 from sits_mesh.admission import (
     AdmissionQuery,
     NotAGenerateRequest,
@@ -22,9 +25,6 @@ from sits_mesh.admission import (
 from sits_mesh.ext_proc import FilePressure
 from sits_mesh.policy import Admission, MeshPolicy, PolicyError, Priorities, load_policy, parse_policy
 from sits_mesh.pressure import read_pressure, write_pressure
-from smg_grpc_proto import vllm_engine_pb2
-
-from sits.runtime.clock import ManualClock
 from tests.mesh.helpers import generate_request, grpc_frame
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,8 +43,10 @@ def test_the_default_policy_file_validates() -> None:
     [
         ("admin: {address: 0.0.0.0, port: 9901}", "loopback"),
         ("http2: {initial_stream_window_bytes: 1000}", "http2.initial_stream_window_bytes"),
-        ("http2: {initial_stream_window_bytes: 131072, initial_connection_window_bytes: 65536}",
-         "initial_connection_window_bytes must be"),
+        (
+            "http2: {initial_stream_window_bytes: 131072, initial_connection_window_bytes: 65536}",
+            "initial_connection_window_bytes must be",
+        ),
         ("overload: {shed_at: 0.96, stop_accepting_at: 0.95}", "shed_at must be lower"),
         ("priorities: {classes: {p0: {max_requests: 1}}}", "lacks"),
         ("rate_limit: {enabled_percent: 101}", "rate_limit.enabled_percent"),

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from sits_mesh import cli
 from sits_mesh.envoy_config import EXT_PROC_FILTER, LOCAL_RATELIMIT_FILTER, render_bootstrap, render_bootstrap_yaml
 from sits_mesh.envoy_process import EnvoyProcess, validate_config
@@ -20,10 +21,19 @@ REPO = Path(__file__).resolve().parents[2]
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "no_admission": {"admission": {"enabled": False}},
-    "tight_windows": {"http2": {"initial_stream_window_bytes": 65535, "initial_connection_window_bytes": 65535,
-                                "per_connection_buffer_limit_bytes": 16384, "max_concurrent_streams": 8}},
-    "access_log_and_dns_upstream": {"access_log_path": "/dev/stdout",
-                                    "upstream": {"address": "localhost", "port": 50051}},
+    "tight_windows": {
+        "http2": {
+            "initial_stream_window_bytes": 65535,
+            "initial_connection_window_bytes": 65535,
+            "per_connection_buffer_limit_bytes": 16384,
+            "max_concurrent_streams": 8,
+        }
+    },
+    "access_log_and_dns_upstream": {
+        "access_log_path": "/dev/stdout",
+        "upstream": {"address": "localhost", "port": 50051},
+    },
+    "buffered_partial_with_headers": {"admission": {"body_mode": "BUFFERED_PARTIAL", "send_headers": True}},
     "fallback_cap": {"admission": {"fallback_max_total_tokens": 4096}, "rate_limit": {"max_tokens": 1}},
 }
 
@@ -45,10 +55,11 @@ def test_every_generated_config_passes_envoy_validate(variant: str, tmp_path: Pa
 
 
 def test_the_shipped_policy_renders_to_a_valid_config(tmp_path: Path) -> None:
-    data = yaml.safe_load((REPO / "mesh" / "policy.yaml").read_text())
-    policy = _with_pressure_file(data, tmp_path)
-    assert policy.model_copy(update={"overload": load_policy(REPO / "mesh" / "policy.yaml").overload}) == \
-        load_policy(REPO / "mesh" / "policy.yaml")
+    shipped = load_policy(REPO / "mesh" / "policy.yaml")
+    pressure = tmp_path / "gpu_pressure"
+    pressure.write_text("0")
+    overload = shipped.overload.model_copy(update={"pressure_file": str(pressure)})
+    policy = shipped.model_copy(update={"overload": overload})
     path = tmp_path / "envoy.yaml"
     path.write_text(render_bootstrap_yaml(policy))
     result = validate_config(path)
@@ -60,8 +71,15 @@ def test_a_broken_config_is_refused_by_validate(tmp_path: Path) -> None:
     policy = _with_pressure_file({}, tmp_path)
     bootstrap = render_bootstrap(policy)
     manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    manager["http_filters"].insert(0, {"name": "envoy.filters.http.priority_load_shed", "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.priority_load_shed.v3.PriorityLoadShed"}})
+    manager["http_filters"].insert(
+        0,
+        {
+            "name": "envoy.filters.http.priority_load_shed",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.priority_load_shed.v3.PriorityLoadShed"
+            },
+        },
+    )
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(bootstrap))
     assert validate_config(path).returncode != 0
@@ -87,14 +105,18 @@ def test_flow_control_is_explicit_on_listener_and_clusters() -> None:
     routes = manager["route_config"]["virtual_hosts"][0]["routes"]
     assert all(r["route"]["timeout"] == "0s" for r in routes if "route" in r)
     assert [r["name"] for r in routes][:2] == ["shed_p2", "shed_p1"]
+    # Only Generate goes to the processor; shed streams and other methods skip it.
+    skips = [r["name"] for r in routes if r.get("typed_per_filter_config", {}).get(EXT_PROC_FILTER, {}).get("disabled")]
+    assert skips == ["shed_p2", "shed_p1", "p0_other", "p1_other", "p2_other", "unlabelled_other"]
 
 
 def test_istio_output_carries_the_same_limits() -> None:
     policy = MeshPolicy()
     http_filters, clusters, rule = render_istio(policy)
     assert http_filters["kind"] == clusters["kind"] == "EnvoyFilter"
-    inserted = [p["patch"]["value"]["name"] for p in http_filters["spec"]["configPatches"]
-                if p["applyTo"] == "HTTP_FILTER"]
+    inserted = [
+        p["patch"]["value"]["name"] for p in http_filters["spec"]["configPatches"] if p["applyTo"] == "HTTP_FILTER"
+    ]
     assert inserted == [LOCAL_RATELIMIT_FILTER, EXT_PROC_FILTER]
     applied = [p["applyTo"] for p in clusters["spec"]["configPatches"]]
     assert applied == ["CLUSTER", "CLUSTER", "BOOTSTRAP"]
@@ -140,9 +162,14 @@ def test_cli_renders_and_validates(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 async def test_envoy_process_serves_admin_on_loopback_and_stops_twice(tmp_path: Path) -> None:
-    policy = MeshPolicy.model_validate({"listener": {"port": 0}, "admin": {"port": 0},
-                                        "overload": {"pressure_file": "gpu_pressure"},
-                                        "admission": {"enabled": False}})
+    policy = MeshPolicy.model_validate(
+        {
+            "listener": {"port": 0},
+            "admin": {"port": 0},
+            "overload": {"pressure_file": "gpu_pressure"},
+            "admission": {"enabled": False},
+        }
+    )
     envoy = EnvoyProcess(policy, workdir=tmp_path / "envoy")
     async with envoy:
         status, body = await envoy.admin("GET", "/server_info")

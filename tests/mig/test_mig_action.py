@@ -20,8 +20,9 @@ def seeded(spec: str) -> tuple[MigNvmlStandIn, MigLayout]:
     nvml = MigNvmlStandIn([H200_141GB], device_names=["NVIDIA H200"])
     layout = parse_layout_spec(H200, spec)
     ids = nvml.seed([(i.profile, i.start) for i in layout.instances])
-    return nvml, MigLayout(H200, tuple(MigInstance(i.profile, i.start, i.tenant, gi)
-                                       for i, gi in zip(layout.instances, ids, strict=True)))
+    return nvml, MigLayout(
+        H200, tuple(MigInstance(i.profile, i.start, i.tenant, gi) for i, gi in zip(layout.instances, ids, strict=True))
+    )
 
 
 def test_dry_run_reports_the_plan_and_leaves_the_layout() -> None:
@@ -31,7 +32,10 @@ def test_dry_run_reports_the_plan_and_leaves_the_layout() -> None:
     assert before == after
     assert json.loads(before)["instances"][1]["tenant"] == "b"
     assert [(s["action"], s["outcome"]) for s in steps] == [
-        ("drain", "planned"), ("destroy", "planned"), ("create", "planned")]
+        ("drain", "planned"),
+        ("destroy", "planned"),
+        ("create", "planned"),
+    ]
     assert nvml.mutating_calls() == []
 
 
@@ -57,8 +61,7 @@ def test_apply_drains_first_then_changes_only_what_it_must() -> None:
 def test_apply_without_the_setting_is_refused() -> None:
     nvml, current = seeded("1g.18gb@4:b")
     with pytest.raises(MigRebalanceRefused, match="SITS_MIG_APPLY is off") as refused:
-        rebalance(current, {"b": 20 * GIB}, NvmlMigApplier(nvml, H200_141GB), dry_run=False,
-                  drain=lambda _i: None)
+        rebalance(current, {"b": 20 * GIB}, NvmlMigApplier(nvml, H200_141GB), dry_run=False, drain=lambda _i: None)
     assert refused.value.before_json == current.to_json_text()
     assert nvml.mutating_calls() == []
 
@@ -75,8 +78,9 @@ def test_mig_mode_off_is_refused_before_anyone_is_drained() -> None:
     nvml._devices[0].mig_current = 0
     drained: list[MigInstance] = []
     with pytest.raises(MigRebalanceRefused, match="MIG mode is off"):
-        rebalance(current, {"b": 20 * GIB}, NvmlMigApplier(nvml, H200_141GB, apply=True), dry_run=False,
-                  drain=drained.append)
+        rebalance(
+            current, {"b": 20 * GIB}, NvmlMigApplier(nvml, H200_141GB, apply=True), dry_run=False, drain=drained.append
+        )
     assert drained == []
     assert nvml.mutating_calls() == []
 
@@ -84,17 +88,19 @@ def test_mig_mode_off_is_refused_before_anyone_is_drained() -> None:
 def test_restore_returns_to_the_recorded_layout() -> None:
     nvml, current = seeded("3g.71gb@0:a,1g.18gb@4:b,1g.18gb@5:c")
     applier = NvmlMigApplier(nvml, H200_141GB, apply=True)
-    before, after, _ = rebalance(current, {"b": 20 * GIB, "d": 10 * GIB}, applier, dry_run=False,
-                                 drain=lambda _i: None)
+    before, after, _ = rebalance(current, {"b": 20 * GIB, "d": 10 * GIB}, applier, dry_run=False, drain=lambda _i: None)
     moved = MigLayout.from_json(json.loads(after))
     drained: list[str] = []
-    restored_before, restored_after, steps = restore(moved, before, applier, dry_run=False,
-                                                     drain=lambda i: drained.append(i.label()))
+    restored_before, restored_after, steps = restore(
+        moved, before, applier, dry_run=False, drain=lambda i: drained.append(i.label())
+    )
     assert restored_before == after
     assert [(i["profile"], i["start"], i["tenant"]) for i in json.loads(restored_after)["instances"]] == [
-        (i["profile"], i["start"], i["tenant"]) for i in json.loads(before)["instances"]]
-    assert sorted(drained) == sorted(s["profile"] + "@" + str(s["start"]) + ":" + s["tenant"]
-                                     for s in steps if s["action"] == "drain")
+        (i["profile"], i["start"], i["tenant"]) for i in json.loads(before)["instances"]
+    ]
+    assert sorted(drained) == sorted(
+        s["profile"] + "@" + str(s["start"]) + ":" + s["tenant"] for s in steps if s["action"] == "drain"
+    )
     # a (never moved) was not touched by either direction.
     assert all(s["tenant"] != "a" for s in steps)
 

@@ -32,8 +32,12 @@ def seeded(spec: str, *, mig_enabled: bool = True) -> tuple[MigNvmlStandIn, MigL
     nvml = MigNvmlStandIn([H200_141GB], mig_enabled=True)
     current = parse_layout_spec(H200, spec)
     ids = nvml.seed([(i.profile, i.start) for i in current.instances])
-    current = MigLayout(H200, tuple(MigInstance(i.profile, i.start, i.tenant, gi_id)
-                                    for i, gi_id in zip(current.instances, ids, strict=True)))
+    current = MigLayout(
+        H200,
+        tuple(
+            MigInstance(i.profile, i.start, i.tenant, gi_id) for i, gi_id in zip(current.instances, ids, strict=True)
+        ),
+    )
     if not mig_enabled:
         nvml._devices[0].mig_current = pynvml.NVML_DEVICE_MIG_DISABLE
     return nvml, current
@@ -58,16 +62,17 @@ def test_stand_in_refuses_placements_the_hardware_refuses() -> None:
     handle = nvml.nvmlDeviceGetHandleByIndex(0)
     two_g = H200_141GB.profile("2g.35gb")
     with pytest.raises(pynvml.NVMLError_InvalidArgument):  # not a valid start for 2g
-        nvml.nvmlDeviceCreateGpuInstanceWithPlacement(handle, two_g.profile_id,
-                                                      pynvml.c_nvmlGpuInstancePlacement_t(1, 2))
+        nvml.nvmlDeviceCreateGpuInstanceWithPlacement(
+            handle, two_g.profile_id, pynvml.c_nvmlGpuInstancePlacement_t(1, 2)
+        )
     with pytest.raises(pynvml.NVMLError_InsufficientResources):  # overlaps the 3g
-        nvml.nvmlDeviceCreateGpuInstanceWithPlacement(handle, two_g.profile_id,
-                                                      pynvml.c_nvmlGpuInstancePlacement_t(2, 2))
+        nvml.nvmlDeviceCreateGpuInstanceWithPlacement(
+            handle, two_g.profile_id, pynvml.c_nvmlGpuInstancePlacement_t(2, 2)
+        )
     me = H200_141GB.profile("1g.18gb+me")
     nvml.nvmlDeviceCreateGpuInstanceWithPlacement(handle, me.profile_id, pynvml.c_nvmlGpuInstancePlacement_t(4, 1))
     with pytest.raises(pynvml.NVMLError_InsufficientResources):  # one +me per GPU
-        nvml.nvmlDeviceCreateGpuInstanceWithPlacement(handle, me.profile_id,
-                                                      pynvml.c_nvmlGpuInstancePlacement_t(5, 1))
+        nvml.nvmlDeviceCreateGpuInstanceWithPlacement(handle, me.profile_id, pynvml.c_nvmlGpuInstancePlacement_t(5, 1))
     assert places(nvml) == [("1g.18gb+me", 4), ("3g.71gb", 0)]
 
 
@@ -197,7 +202,8 @@ def gpu_cases(draw: st.DrawFn) -> tuple[str, list[tuple[str, int, str | None]], 
 @settings(max_examples=150, deadline=None)
 @given(gpu_cases())
 def test_every_plan_applies_cleanly_on_the_rule_enforcing_stand_in(
-        case: tuple[str, list[tuple[str, int, str | None]], dict[str, int]]) -> None:
+    case: tuple[str, list[tuple[str, int, str | None]], dict[str, int]],
+) -> None:
     gpu, chosen, needs = case
     model = gpu_model(gpu)
     nvml = MigNvmlStandIn([model])
@@ -210,4 +216,5 @@ def test_every_plan_applies_cleanly_on_the_rule_enforcing_stand_in(
     assert sorted(places(nvml)) == sorted((i.profile, i.start) for i in result.target.instances)
     assert report.layout_after is not None
     assert [(i.profile, i.start, i.tenant) for i in report.layout_after.instances] == [
-        (i.profile, i.start, i.tenant) for i in result.target.instances]
+        (i.profile, i.start, i.tenant) for i in result.target.instances
+    ]

@@ -22,14 +22,28 @@ def run_cli(argv: list[str]) -> int:
 
 
 def test_plan_json_output(capsys: pytest.CaptureFixture[str]) -> None:
-    code = run_cli(["plan", "--gpu", "h200-141gb", "--current", "3g.71gb@0:tenantA,1g.18gb@4:tenantB",
-                    "--need", "tenantA=60GiB", "--need", "tenantB=20GiB", "--json"])
+    code = run_cli(
+        [
+            "plan",
+            "--gpu",
+            "h200-141gb",
+            "--current",
+            "3g.71gb@0:tenantA,1g.18gb@4:tenantB",
+            "--need",
+            "tenantA=60GiB",
+            "--need",
+            "tenantB=20GiB",
+            "--json",
+        ]
+    )
     assert code == cli.EXIT_OK
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] is True
     assert [(s["action"], s["profile"], s["start"], s["tenant"]) for s in data["steps"]] == [
-        ("drain", "1g.18gb", 4, "tenantB"), ("destroy", "1g.18gb", 4, "tenantB"),
-        ("create", "1g.35gb", 4, "tenantB")]
+        ("drain", "1g.18gb", 4, "tenantB"),
+        ("destroy", "1g.18gb", 4, "tenantB"),
+        ("create", "1g.35gb", 4, "tenantB"),
+    ]
     assert [k["tenant"] for k in data["kept"]] == ["tenantA"]
 
 
@@ -64,13 +78,37 @@ def test_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_module_runs_as_a_subprocess() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "services.executor.mig.cli", "plan", "--current", "1g.18gb@0:b",
-         "--need", "d=60GiB", "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+        [
+            sys.executable,
+            "-m",
+            "services.executor.mig.cli",
+            "plan",
+            "--current",
+            "1g.18gb@0:b",
+            "--need",
+            "d=60GiB",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["target"]["instances"][-1] == {
-        "profile": "3g.71gb", "start": 4, "size": 4, "tenant": "d"}
-    proc = subprocess.run([sys.executable, "-m", "services.executor.mig.cli", "profiles", "--json"],
-                          cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+        "profile": "3g.71gb",
+        "start": 4,
+        "size": 4,
+        "tenant": "d",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.executor.mig.cli", "profiles", "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0
     assert [p["name"] for p in json.loads(proc.stdout)["profiles"]][-1] == "7g.141gb"

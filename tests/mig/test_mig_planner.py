@@ -47,33 +47,39 @@ def actions(result: MigPlan) -> list[str]:
 # ------------------------------------------------------------------ validation
 
 
-@pytest.mark.parametrize(("spec", "problem"), [
-    # Slice counts add up (2+2+2+1 compute, 8 memory) but 2g.35gb may not start at slice 1.
-    ("2g.35gb@1:a,2g.35gb@4:b,1g.18gb@0:c,1g.35gb@6:d", "may start only at memory slice {0,2,4}, not 1"),
-    ("3g.71gb@2:a", "may start only at memory slice {0,4}, not 2"),
-    ("1g.18gb@7:a", "not 7"),
-    ("4g.71gb@4:a", "may start only at memory slice {0}, not 4"),
-    ("3g.71gb@0:a,1g.18gb@3:b", "overlaps 3g.71gb@0:a on memory slice 3"),
-    ("1g.18gb+me@0:a,1g.18gb+me@1:b", "2 instances of 1g.18gb+me; h200-141gb allows at most 1"),
-    ("2g.35gb@0:a,2g.35gb@2:b,2g.35gb@4:c,1g.18gb@6:d,1g.18gb+me@5:e", "overlaps"),
-    ("1g.18gb@0:a,1g.18gb@1:a", "tenant 'a' owns 2 instances"),
-    ("5g.99gb@0:a", "has no profile '5g.99gb'"),
-])
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        # Slice counts add up (2+2+2+1 compute, 8 memory) but 2g.35gb may not start at slice 1.
+        ("2g.35gb@1:a,2g.35gb@4:b,1g.18gb@0:c,1g.35gb@6:d", "may start only at memory slice {0,2,4}, not 1"),
+        ("3g.71gb@2:a", "may start only at memory slice {0,4}, not 2"),
+        ("1g.18gb@7:a", "not 7"),
+        ("4g.71gb@4:a", "may start only at memory slice {0}, not 4"),
+        ("3g.71gb@0:a,1g.18gb@3:b", "overlaps 3g.71gb@0:a on memory slice 3"),
+        ("1g.18gb+me@0:a,1g.18gb+me@1:b", "2 instances of 1g.18gb+me; h200-141gb allows at most 1"),
+        ("2g.35gb@0:a,2g.35gb@2:b,2g.35gb@4:c,1g.18gb@6:d,1g.18gb+me@5:e", "overlaps"),
+        ("1g.18gb@0:a,1g.18gb@1:a", "tenant 'a' owns 2 instances"),
+        ("5g.99gb@0:a", "has no profile '5g.99gb'"),
+    ],
+)
 def test_invalid_layouts_are_rejected_with_the_rule_they_break(spec: str, problem: str) -> None:
     problems = validate_layout(layout(spec))
     assert any(problem in p for p in problems), problems
 
 
-@pytest.mark.parametrize("spec", [
-    "7g.141gb@0:a",
-    "4g.71gb@0:a,3g.71gb@4:b",
-    "3g.71gb@0:a,3g.71gb@4:b",
-    "2g.35gb@0:a,2g.35gb@2:b,2g.35gb@4:c,1g.18gb@6:d",
-    "3g.71gb@4:a,2g.35gb@0:b,1g.18gb@2:c,1g.18gb@3:d",
-    ",".join(f"1g.18gb@{s}:t{s}" for s in range(7)),
-    "1g.35gb@0:a,1g.35gb@2:b,1g.35gb@4:c,1g.35gb@6:d",
-    "",
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "7g.141gb@0:a",
+        "4g.71gb@0:a,3g.71gb@4:b",
+        "3g.71gb@0:a,3g.71gb@4:b",
+        "2g.35gb@0:a,2g.35gb@2:b,2g.35gb@4:c,1g.18gb@6:d",
+        "3g.71gb@4:a,2g.35gb@0:b,1g.18gb@2:c,1g.18gb@3:d",
+        ",".join(f"1g.18gb@{s}:t{s}" for s in range(7)),
+        "1g.35gb@0:a,1g.35gb@2:b,1g.35gb@4:c,1g.35gb@6:d",
+        "",
+    ],
+)
 def test_valid_layouts_pass(spec: str) -> None:
     assert validate_layout(layout(spec)) == []
 
@@ -134,8 +140,7 @@ def test_a_released_tenant_is_drained_and_destroyed() -> None:
 def test_a_listed_tenant_is_moved_instead_of_an_unlisted_one() -> None:
     # d needs a 3g at slot 0 or 4; b (listed, tiny) is moved, c (unlisted) stays.
     result = plan("1g.18gb@0:b,1g.18gb@4:c", {"d": 60 * GIB, "b": 1 * GIB})
-    assert actions(result) == ["drain 1g.18gb@0:b", "destroy 1g.18gb@0:b", "create 3g.71gb@0:d",
-                               "create 1g.18gb@5:b"]
+    assert actions(result) == ["drain 1g.18gb@0:b", "destroy 1g.18gb@0:b", "create 3g.71gb@0:d", "create 1g.18gb@5:b"]
     assert "moves to make room" in result.steps[0].reason
 
 
@@ -153,8 +158,9 @@ def test_growth_that_needs_a_neighbour_moved_moves_exactly_one() -> None:
 
 def test_refuses_memory_that_no_profile_gives() -> None:
     result = refusal("", {"big": 150 * GIB})
-    assert result.reasons == ("tenant 'big' needs 150.00 GiB, more than any h200-141gb profile gives "
-                              "(largest: 7g.141gb with 140.00 GiB)",)
+    assert result.reasons == (
+        "tenant 'big' needs 150.00 GiB, more than any h200-141gb profile gives (largest: 7g.141gb with 140.00 GiB)",
+    )
 
 
 def test_refuses_too_many_slices() -> None:
@@ -174,8 +180,7 @@ def test_refuses_when_no_placement_fits_around_unlisted_tenants() -> None:
     assert "d on 3g.71gb (starts {0,4})" in reason
     assert "1g.18gb@0:b, 1g.18gb@4:c" in reason
     # The same request succeeds once the planner may move the unlisted tenants.
-    assert isinstance(plan_rebalance(layout("1g.18gb@0:b,1g.18gb@4:c"), {"d": 60 * GIB},
-                                     move_unlisted=True), MigPlan)
+    assert isinstance(plan_rebalance(layout("1g.18gb@0:b,1g.18gb@4:c"), {"d": 60 * GIB}, move_unlisted=True), MigPlan)
 
 
 def test_refuses_negative_needs() -> None:
@@ -195,8 +200,10 @@ def test_sizes_and_layout_specs_parse() -> None:
         parse_size("lots")
     with pytest.raises(ValueError, match="not an instance"):
         parse_layout_spec(H200, "3g.71gb:tenantA")
-    assert layout("3g.71gb@0:a, 1g.18gb@4").instances == (MigInstance("3g.71gb", 0, "a"),
-                                                          MigInstance("1g.18gb", 4, None))
+    assert layout("3g.71gb@0:a, 1g.18gb@4").instances == (
+        MigInstance("3g.71gb", 0, "a"),
+        MigInstance("1g.18gb", 4, None),
+    )
 
 
 def test_layout_json_round_trips() -> None:
@@ -237,7 +244,8 @@ def layouts_and_needs(draw: st.DrawFn) -> tuple[MigLayout, dict[str, int]]:
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layouts_and_needs(), st.booleans())
 def test_every_plan_is_valid_complete_and_minimal_where_it_can_be(
-        case: tuple[MigLayout, dict[str, int]], move_unlisted: bool) -> None:
+    case: tuple[MigLayout, dict[str, int]], move_unlisted: bool
+) -> None:
     current, needs = case
     result = plan_rebalance(current, needs, move_unlisted=move_unlisted)
     if isinstance(result, MigRefusal):
@@ -271,8 +279,9 @@ def test_every_plan_is_valid_complete_and_minimal_where_it_can_be(
             assert after.start == instance.start
     # Simple case: when every listed tenant already fits where it is, nothing is touched.
     if all(need > 0 for need in needs.values()) and all(
-            (inst := current.tenant_instance(t)) is not None and model.profile(inst.profile).memory_bytes >= n
-            for t, n in needs.items()):
+        (inst := current.tenant_instance(t)) is not None and model.profile(inst.profile).memory_bytes >= n
+        for t, n in needs.items()
+    ):
         assert result.steps == ()
 
 
@@ -295,14 +304,18 @@ def test_a_plan_never_drains_more_tenants_than_it_changes(case: tuple[MigLayout,
 @settings(max_examples=150, deadline=None)
 @given(layouts_and_needs(), st.sampled_from(SIZES_GIB[:-1]))
 def test_a_new_tenant_with_a_free_slot_costs_exactly_one_step(
-        case: tuple[MigLayout, dict[str, int]], size_gib: float) -> None:
+    case: tuple[MigLayout, dict[str, int]], size_gib: float
+) -> None:
     current, _ = case
     model = current.model
     need = int(size_gib * GIB * model.largest.memory_bytes / (140 * GIB))
     profile = smallest_fitting_profile(model, need)
     assert profile is not None
-    free = [s for s in profile.starts
-            if not validate_layout(MigLayout(current.gpu, (*current.instances, MigInstance(profile.name, s, "x"))))]
+    free = [
+        s
+        for s in profile.starts
+        if not validate_layout(MigLayout(current.gpu, (*current.instances, MigInstance(profile.name, s, "x"))))
+    ]
     result = plan_rebalance(current, {"newcomer": need})
     if not free:
         return

@@ -33,11 +33,19 @@ def test_recorded_h200_nvml_profiles_agree_with_the_built_in_table() -> None:
 
 def test_recorded_profiles_match_the_verified_facts() -> None:
     # (slices, max instances, MiB) as FACTS.md lists them for the H200.
-    facts = {"1g.18gb": (1, 7, 16384), "1g.18gb+me": (1, 1, 16384), "1g.35gb": (1, 4, 33280),
-             "2g.35gb": (2, 3, 33280), "3g.71gb": (3, 2, 71424), "4g.71gb": (4, 1, 71424),
-             "7g.141gb": (7, 1, 143360)}
-    seen = {row["name"].removeprefix("MIG "): (row["slice_count"], row["instance_count"], row["memory_mib"])
-            for row in RECORDED["nvml"]["profiles"]}
+    facts = {
+        "1g.18gb": (1, 7, 16384),
+        "1g.18gb+me": (1, 1, 16384),
+        "1g.35gb": (1, 4, 33280),
+        "2g.35gb": (2, 3, 33280),
+        "3g.71gb": (3, 2, 71424),
+        "4g.71gb": (4, 1, 71424),
+        "7g.141gb": (7, 1, 143360),
+    }
+    seen = {
+        row["name"].removeprefix("MIG "): (row["slice_count"], row["instance_count"], row["memory_mib"])
+        for row in RECORDED["nvml"]["profiles"]
+    }
     assert seen == facts
     built_in = {p.name: (p.compute_slices, p.max_instances, p.memory_mib) for p in H200_141GB.profiles}
     assert built_in == facts
@@ -59,8 +67,16 @@ def test_comparison_reports_each_kind_of_difference() -> None:
     by_name["MIG 3g.71gb"]["placements"] = [{"start": 0, "size": 4}, {"start": 2, "size": 4}]
     by_name["MIG 1g.35gb"]["memory_mib"] = 32768
     rows.remove(by_name["MIG 7g.141gb"])
-    rows.append({"name": "MIG 1g.18gb-me", "profile_id": 21, "slice_count": 1, "instance_count": 7,
-                 "memory_mib": 16384, "placements": None})
+    rows.append(
+        {
+            "name": "MIG 1g.18gb-me",
+            "profile_id": 21,
+            "slice_count": 1,
+            "instance_count": 7,
+            "memory_mib": 16384,
+            "placements": None,
+        }
+    )
     differences = compare_with_nvml(H200_141GB, rows)
     assert any("3g.71gb: placements" in d for d in differences)
     assert any("1g.35gb: memory_mib built-in 33280 != NVML 32768" in d for d in differences)

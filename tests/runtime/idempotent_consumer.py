@@ -39,8 +39,12 @@ async def main() -> None:
 
     async with EventProducer(settings) as producer:
         consumer = EventConsumer(
-            settings, group_id=f"{settings.topic_prefix}idem", topics=[topics.oom], handler=handle,
-            dead_letters=producer, coalesce=False,
+            settings,
+            group_id=f"{settings.topic_prefix}idem",
+            topics=[topics.oom],
+            handler=handle,
+            dead_letters=producer,
+            coalesce=False,
         )
         async with consumer:
             await asyncio.wait_for(consumer.run(stop), 45)

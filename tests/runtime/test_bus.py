@@ -109,8 +109,11 @@ async def test_bad_records_go_to_dead_letters_and_consumption_continues(settings
         # The good record is published after the bad ones: reaching it proves consumption went on.
         await producer.publish(topics.metrics, good)
         consumer = EventConsumer(
-            settings, group_id=f"{topics.prefix}g", topics=[topics.metrics, topics.oom],
-            handler=handle, dead_letters=producer,
+            settings,
+            group_id=f"{topics.prefix}g",
+            topics=[topics.metrics, topics.oom],
+            handler=handle,
+            dead_letters=producer,
         )
         async with consumer:
             stop = asyncio.Event()
@@ -156,8 +159,11 @@ async def test_lagging_consumer_coalesces_samples_per_target(settings: Settings,
                 done.set()
 
         consumer = EventConsumer(
-            settings, group_id=f"{topics.prefix}g", topics=[topics.metrics, topics.oom],
-            handler=handle, dead_letters=producer,
+            settings,
+            group_id=f"{topics.prefix}g",
+            topics=[topics.metrics, topics.oom],
+            handler=handle,
+            dead_letters=producer,
         )
         async with consumer:
             await consume_until(consumer, done)

@@ -46,7 +46,9 @@ def test_sits_up_serves_every_service_and_ctrl_c_leaves_nothing(tmp_path: Path) 
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "sits.cli", "up", "--run-dir", str(tmp_path / "run")],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "COLUMNS": "200"},
         )
     try:
         deadline = time.monotonic() + 60

@@ -7,8 +7,13 @@ from services.validator.domain import Outcome, PendingAction, Validator, settle_
 
 def pending(applied_at: float = 100.0, settle: float = 5.0, watermark: float = 0.9) -> PendingAction:
     return PendingAction(
-        action_id="a1", command_id="c1", target_key="h/g//e", kind="SHED_PRIORITY",
-        applied_at=applied_at, settle_until=applied_at + settle, watermark=watermark,
+        action_id="a1",
+        command_id="c1",
+        target_key="h/g//e",
+        kind="SHED_PRIORITY",
+        applied_at=applied_at,
+        settle_until=applied_at + settle,
+        watermark=watermark,
     )
 
 

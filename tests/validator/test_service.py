@@ -69,8 +69,11 @@ async def test_failed_promise_is_rolled_back_and_audited(settings: Settings, top
             for i in range(6):
                 await producer.publish(topics.metrics, sample(t0 + i, 0.8))
             consumer = EventConsumer(
-                settings, group_id=f"{topics.prefix}v", topics=[topics.results, topics.metrics],
-                handler=service.handle, dead_letters=producer,
+                settings,
+                group_id=f"{topics.prefix}v",
+                topics=[topics.results, topics.metrics],
+                handler=service.handle,
+                dead_letters=producer,
             )
             stop = asyncio.Event()
             async with consumer:

@@ -1,0 +1,387 @@
+"""Render an Envoy bootstrap from the mesh policy.
+
+Pure: the policy goes in, a dict (and its YAML text) comes out. Names that
+other components depend on (runtime keys, cluster and stat names) are defined
+here once and documented in mesh/README.md.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+import yaml
+
+from sits_mesh.policy import PRIORITY_NAMES, MeshPolicy, PriorityName
+
+INGRESS_STAT_PREFIX = "sits_ingress"
+RATELIMIT_STAT_PREFIX = "sits_ratelimit"
+ADMISSION_STAT_PREFIX = "sits_admission"
+EXT_PROC_CLUSTER = "sits_ext_proc"
+INJECTED_RESOURCE = "envoy.resource_monitors.injected_resource"
+STOP_ACCEPTING_ACTION = "envoy.overload_actions.stop_accepting_requests"
+DECODE_HEADERS_SHED_POINT = "envoy.load_shed_points.http_connection_manager_decode_headers"
+
+# Runtime keys (admin layer: POST /runtime_modify?KEY=VALUE). Percent values.
+RATELIMIT_ENABLED_KEY = "sits.ratelimit.enabled"
+RATELIMIT_ENFORCED_KEY = "sits.ratelimit.enforced"
+# Priorities that can be shed at the route by runtime; P0 is never shed there.
+SHEDDABLE: tuple[PriorityName, ...] = ("p1", "p2")
+
+_TYPE = "@type"
+_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+_EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+_LOCAL_RATELIMIT = "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
+_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+HTTP_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+_INJECTED = "type.googleapis.com/envoy.extensions.resource_monitors.injected_resource.v3.InjectedResourceConfig"
+HTTP_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+LOCAL_RATELIMIT_FILTER = "envoy.filters.http.local_ratelimit"
+
+
+def shed_key(priority: PriorityName) -> str:
+    """Percent of this priority's new streams refused at the route (UNAVAILABLE)."""
+    return f"sits.shed.{priority}"
+
+
+def breaker_key(policy: MeshPolicy, priority: PriorityName, field: str) -> str:
+    """Envoy's own runtime key for a circuit-breaker threshold (priority segment lowercase)."""
+    return f"circuit_breakers.{policy.cluster_for(priority)}.default.{field}"
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.3f}s".replace(".000s", "s")
+
+
+def _socket_address(address: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": address, "port_value": port}}
+
+
+def _is_ip(address: str) -> bool:
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return True
+
+
+def http2_options(policy: MeshPolicy) -> dict[str, Any]:
+    limits = policy.http2
+    return {
+        "initial_stream_window_size": limits.initial_stream_window_bytes,
+        "initial_connection_window_size": limits.initial_connection_window_bytes,
+        "max_concurrent_streams": limits.max_concurrent_streams,
+    }
+
+
+def _cluster(
+    name: str, address: str, port: int, buffer_limit: int, http2: dict[str, Any], connect_timeout_s: float
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "STATIC" if _is_ip(address) else "STRICT_DNS",
+        "connect_timeout": duration(connect_timeout_s),
+        "lb_policy": "ROUND_ROBIN",
+        "per_connection_buffer_limit_bytes": buffer_limit,
+        "typed_extension_protocol_options": {
+            HTTP_OPTIONS_KEY: {_TYPE: HTTP_OPTIONS_TYPE, "explicit_http_config": {"http2_protocol_options": http2}}
+        },
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket_address(address, port)}}]}],
+        },
+    }
+
+
+def priority_cluster(policy: MeshPolicy, priority: PriorityName) -> dict[str, Any]:
+    limits = policy.priorities.classes[priority]
+    cluster = _cluster(
+        policy.cluster_for(priority),
+        policy.upstream.address,
+        policy.upstream.port,
+        policy.http2.per_connection_buffer_limit_bytes,
+        http2_options(policy),
+        policy.timeouts.connect_s,
+    )
+    cluster["circuit_breakers"] = {
+        "thresholds": [
+            {
+                "priority": "DEFAULT",
+                "max_connections": limits.max_connections,
+                "max_pending_requests": limits.max_pending_requests,
+                "max_requests": limits.max_requests,
+                "max_retries": limits.max_retries,
+                "track_remaining": True,
+            }
+        ]
+    }
+    return cluster
+
+
+def ext_proc_cluster(policy: MeshPolicy) -> dict[str, Any]:
+    admission = policy.admission
+    return _cluster(
+        EXT_PROC_CLUSTER,
+        admission.address,
+        admission.port,
+        policy.http2.per_connection_buffer_limit_bytes,
+        {"max_concurrent_streams": policy.http2.max_concurrent_streams},
+        min(policy.timeouts.connect_s, 0.25),
+    )
+
+
+def _priority_header(policy: MeshPolicy, priority: PriorityName) -> list[dict[str, Any]]:
+    return [{"name": policy.priorities.header, "string_match": {"exact": priority, "ignore_case": True}}]
+
+
+def _no_ext_proc() -> dict[str, Any]:
+    return {EXT_PROC_FILTER: {_TYPE: _EXT_PROC_PER_ROUTE, "disabled": True}}
+
+
+PRIORITY_METADATA = "x-sits-priority"
+
+
+def _ext_proc_priority(priority: PriorityName) -> dict[str, Any]:
+    # Tells the processor the route's priority on the ext_proc stream itself, so
+    # it needs no header round trip.
+    return {
+        EXT_PROC_FILTER: {
+            _TYPE: _EXT_PROC_PER_ROUTE,
+            "overrides": {"grpc_initial_metadata": [{"key": PRIORITY_METADATA, "value": priority}]},
+        }
+    }
+
+
+def _forward(cluster: str) -> dict[str, Any]:
+    # timeout 0s: a token stream may run for minutes; stream_idle_timeout bounds stalls.
+    return {"cluster": cluster, "timeout": "0s"}
+
+
+def routes(policy: MeshPolicy) -> list[dict[str, Any]]:
+    """Shed routes first (runtime fraction, default 0%), then one pair per priority, then the default."""
+    generate = policy.admission.generate_path
+    admission = policy.admission.enabled
+    table: list[dict[str, Any]] = []
+    for priority in reversed(SHEDDABLE):
+        table.append(
+            {
+                "name": f"shed_{priority}",
+                "match": {
+                    "prefix": "/",
+                    "headers": _priority_header(policy, priority),
+                    "runtime_fraction": {
+                        "default_value": {"numerator": 0, "denominator": "HUNDRED"},
+                        "runtime_key": shed_key(priority),
+                    },
+                },
+                "direct_response": {
+                    "status": 503,
+                    "body": {"inline_string": f"shed by SITS: priority {priority} under GPU memory pressure"},
+                },
+                # A shed stream costs the processor nothing.
+                **({"typed_per_filter_config": _no_ext_proc()} if policy.admission.enabled else {}),
+            }
+        )
+
+    def pair(name: str, headers: list[dict[str, Any]], cluster: str, priority: PriorityName) -> list[dict[str, Any]]:
+        generate_match: dict[str, Any] = {"path": generate}
+        other_match: dict[str, Any] = {"prefix": "/"}
+        if headers:
+            generate_match["headers"] = headers
+            other_match["headers"] = headers
+        other: dict[str, Any] = {"name": f"{name}_other", "match": other_match, "route": _forward(cluster)}
+        if admission:
+            other["typed_per_filter_config"] = _no_ext_proc()
+        generate_route: dict[str, Any] = {
+            "name": f"{name}_generate",
+            "match": generate_match,
+            "route": _forward(cluster),
+        }
+        if admission:
+            generate_route["typed_per_filter_config"] = _ext_proc_priority(priority)
+        return [generate_route, other]
+
+    for priority in PRIORITY_NAMES:
+        table += pair(priority, _priority_header(policy, priority), policy.cluster_for(priority), priority)
+    default = policy.priorities.default
+    table += pair("unlabelled", [], policy.cluster_for(default), default)
+    return table
+
+
+def http_filters(policy: MeshPolicy) -> list[dict[str, Any]]:
+    rate = policy.rate_limit
+    filters: list[dict[str, Any]] = [
+        {
+            "name": LOCAL_RATELIMIT_FILTER,
+            "typed_config": {
+                _TYPE: _LOCAL_RATELIMIT,
+                "stat_prefix": RATELIMIT_STAT_PREFIX,
+                "token_bucket": {
+                    "max_tokens": rate.max_tokens,
+                    "tokens_per_fill": rate.tokens_per_fill,
+                    "fill_interval": duration(rate.fill_interval_s),
+                },
+                "filter_enabled": {
+                    "default_value": {"numerator": rate.enabled_percent, "denominator": "HUNDRED"},
+                    "runtime_key": RATELIMIT_ENABLED_KEY,
+                },
+                "filter_enforced": {
+                    "default_value": {"numerator": rate.enforced_percent, "denominator": "HUNDRED"},
+                    "runtime_key": RATELIMIT_ENFORCED_KEY,
+                },
+                "rate_limited_as_resource_exhausted": True,
+            },
+        }
+    ]
+    if policy.admission.enabled:
+        filters.append({"name": EXT_PROC_FILTER, "typed_config": ext_proc_filter(policy)})
+    filters.append({"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER}})
+    return filters
+
+
+def ext_proc_filter(policy: MeshPolicy) -> dict[str, Any]:
+    admission = policy.admission
+    return {
+        _TYPE: _EXT_PROC,
+        "grpc_service": {
+            "envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER},
+            "timeout": duration(admission.message_timeout_s),
+        },
+        # Fail open: a processor that is down must not stop inference; Envoy
+        # counts each such request in http.<prefix>.ext_proc.failure_mode_allowed.
+        "failure_mode_allow": True,
+        "message_timeout": duration(admission.message_timeout_s),
+        "stat_prefix": ADMISSION_STAT_PREFIX,
+        # STREAMED: the processor sees the prompt chunk by chunk, so a huge
+        # prompt is judged without Envoy buffering it whole.
+        "processing_mode": {
+            "request_header_mode": "SEND" if admission.send_headers else "SKIP",
+            "response_header_mode": "SKIP",
+            "request_body_mode": admission.body_mode,
+            "response_body_mode": "NONE",
+            "request_trailer_mode": "SKIP",
+            "response_trailer_mode": "SKIP",
+        },
+    }
+
+
+ACCESS_LOG_FORMAT = (
+    "[%START_TIME%] %REQ(:PATH)% http=%RESPONSE_CODE% grpc=%GRPC_STATUS_NUMBER% "
+    "priority=%REQ(X-SITS-PRIORITY)% cluster=%UPSTREAM_CLUSTER% traceparent=%REQ(TRACEPARENT)% "
+    "flags=%RESPONSE_FLAGS% duration_ms=%DURATION%\n"
+)
+_FILE_ACCESS_LOG = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
+
+
+def connection_manager(policy: MeshPolicy) -> dict[str, Any]:
+    manager = _connection_manager(policy)
+    if policy.access_log_path:
+        manager["access_log"] = [
+            {
+                "name": "envoy.access_loggers.file",
+                "typed_config": {
+                    _TYPE: _FILE_ACCESS_LOG,
+                    "path": policy.access_log_path,
+                    "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}},
+                },
+            }
+        ]
+    return manager
+
+
+def _connection_manager(policy: MeshPolicy) -> dict[str, Any]:
+    return {
+        _TYPE: _HCM,
+        "stat_prefix": INGRESS_STAT_PREFIX,
+        "codec_type": "HTTP2",
+        "http2_protocol_options": http2_options(policy),
+        "stream_idle_timeout": duration(policy.timeouts.stream_idle_s),
+        "request_timeout": "0s",
+        "route_config": {
+            "name": "sits_routes",
+            "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": routes(policy)}],
+        },
+        "http_filters": http_filters(policy),
+    }
+
+
+def overload_manager(policy: MeshPolicy) -> dict[str, Any]:
+    overload = policy.overload
+    return {
+        "refresh_interval": duration(overload.refresh_interval_s),
+        "resource_monitors": [
+            {"name": INJECTED_RESOURCE, "typed_config": {_TYPE: _INJECTED, "filename": overload.pressure_file}}
+        ],
+        "actions": [
+            {
+                "name": STOP_ACCEPTING_ACTION,
+                "triggers": [{"name": INJECTED_RESOURCE, "threshold": {"value": overload.stop_accepting_at}}],
+            }
+        ],
+        "loadshed_points": [
+            {
+                "name": DECODE_HEADERS_SHED_POINT,
+                "triggers": [{"name": INJECTED_RESOURCE, "threshold": {"value": overload.shed_at}}],
+            }
+        ],
+    }
+
+
+def runtime_defaults(policy: MeshPolicy) -> dict[str, Any]:
+    """The static layer: every SITS runtime key with its default, so /runtime shows them all."""
+    defaults: dict[str, Any] = {shed_key(p): 0 for p in SHEDDABLE}
+    defaults[RATELIMIT_ENABLED_KEY] = policy.rate_limit.enabled_percent
+    defaults[RATELIMIT_ENFORCED_KEY] = policy.rate_limit.enforced_percent
+    for priority in PRIORITY_NAMES:
+        limits = policy.priorities.classes[priority]
+        defaults[breaker_key(policy, priority, "max_requests")] = limits.max_requests
+        defaults[breaker_key(policy, priority, "max_pending_requests")] = limits.max_pending_requests
+        defaults[breaker_key(policy, priority, "max_connections")] = limits.max_connections
+    return defaults
+
+
+def render_bootstrap(policy: MeshPolicy) -> dict[str, Any]:
+    clusters = [priority_cluster(policy, p) for p in PRIORITY_NAMES]
+    if policy.admission.enabled:
+        clusters.append(ext_proc_cluster(policy))
+    return {
+        "node": {"id": f"{policy.name}-mesh", "cluster": policy.name},
+        "admin": {"address": _socket_address(policy.admin.address, policy.admin.port)},
+        "layered_runtime": {
+            "layers": [
+                {"name": "static", "static_layer": runtime_defaults(policy)},
+                {"name": "admin", "admin_layer": {}},
+            ]
+        },
+        "overload_manager": overload_manager(policy),
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "sits_ingress",
+                    "address": _socket_address(policy.listener.address, policy.listener.port),
+                    "per_connection_buffer_limit_bytes": policy.http2.per_connection_buffer_limit_bytes,
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": connection_manager(policy),
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": clusters,
+        },
+    }
+
+
+def to_yaml(document: dict[str, Any]) -> str:
+    return yaml.safe_dump(document, sort_keys=False, default_flow_style=False)
+
+
+def render_bootstrap_yaml(policy: MeshPolicy) -> str:
+    return to_yaml(render_bootstrap(policy))

@@ -1,0 +1,351 @@
+"""The admission external processor: Envoy `ext_proc` served by SITS over grpc.aio.
+
+Envoy streams each Generate's headers and body chunks here (STREAMED mode).
+Earlier chunks pass at once; the chunk that completes the gRPC message is held
+until the `Admitter` (the decision service's Admit) answers, so the engine never
+receives a whole request that was refused. Refusals are local gRPC replies:
+RESOURCE_EXHAUSTED with a reason a person can read; priority shedding under
+pressure answers UNAVAILABLE. Anything that goes wrong here fails open: Envoy is
+configured with `failure_mode_allow`, and an admitter that cannot answer admits
+(counted in `ProcessorCounters.fail_open`).
+
+The message classes come from `envoy-data-plane` (betterproto2); the server is
+grpc.aio with a generic handler, like every other SITS server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol
+
+import grpc
+from envoy_data_plane.envoy.service.ext_proc.v3 import (
+    BodyResponse,
+    CommonResponse,
+    GrpcStatus,
+    HeadersResponse,
+    ImmediateResponse,
+    ProcessingRequest,
+    ProcessingResponse,
+)
+from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
+from prometheus_client import Counter
+
+from sits.runtime.clock import Clock, SystemClock
+from sits.v1 import common_pb2, decision_pb2, decision_pb2_grpc
+from sits_mesh.admission import (
+    MAX_BODY_BYTES,
+    AdmissionQuery,
+    Admitter,
+    AdmitterUnavailable,
+    NotAGenerateRequest,
+    RecentFreeKv,
+    Verdict,
+    fallback_verdict,
+    frame_complete,
+    parse_generate,
+    priority_of,
+    refusal_message,
+    shed_reason,
+)
+from sits_mesh.envoy_config import PRIORITY_METADATA
+from sits_mesh.policy import MeshPolicy, PriorityName
+from sits_mesh.pressure import read_pressure
+
+log = logging.getLogger(__name__)
+
+SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+GRPC_RESOURCE_EXHAUSTED = 8
+GRPC_UNAVAILABLE = 14
+
+_PRIORITY_PROTO: dict[PriorityName, int] = {
+    "p0": common_pb2.PRIORITY_P0,
+    "p1": common_pb2.PRIORITY_P1,
+    "p2": common_pb2.PRIORITY_P2,
+}
+
+
+class PressureSource(Protocol):
+    def current(self) -> float | None: ...
+
+
+class FilePressure:
+    """The pressure file Envoy's overload manager reads, re-read at most every `max_age_s`."""
+
+    def __init__(self, path: Path, clock: Clock | None = None, max_age_s: float = 0.05) -> None:
+        self.path = path
+        self._clock = clock or SystemClock()
+        self._max_age_s = max_age_s
+        self._value: float | None = None
+        self._read_at = float("-inf")
+
+    def current(self) -> float | None:
+        now = self._clock.monotonic()
+        if now - self._read_at >= self._max_age_s:
+            self._value = read_pressure(self.path)
+            self._read_at = now
+        return self._value
+
+
+class NoPressure:
+    def current(self) -> float | None:
+        return None
+
+
+class DecisionAdmitter:
+    """Asks the decision service's `Admit` over gRPC; raises AdmitterUnavailable when it cannot."""
+
+    def __init__(self, address: str, target: common_pb2.Target, timeout_s: float = 0.2) -> None:
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = decision_pb2_grpc.DecisionStub(self._channel)
+        self._target = target
+        self._timeout_s = timeout_s
+
+    async def admit(self, query: AdmissionQuery) -> Verdict:
+        request = decision_pb2.AdmitRequest(
+            target=self._target,
+            prompt_tokens=query.prompt_tokens,
+            max_tokens=query.max_tokens,
+            priority=_PRIORITY_PROTO[query.priority],  # type: ignore[arg-type]
+        )
+        try:
+            reply = await self._stub.Admit(request, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise AdmitterUnavailable(f"{err.code().name}: {err.details()}") from None
+        return Verdict(
+            admitted=reply.admitted,
+            reason=reply.reason,
+            kv_bytes_needed=reply.kv_bytes_needed,
+            kv_bytes_free=reply.kv_bytes_free,
+        )
+
+    async def close(self) -> None:
+        await self._channel.close(None)
+
+
+# Names are the contract in deploy/METRICS.md (the alert rules and dashboard read them).
+SHED_REQUESTS = Counter(
+    "sits_shed_requests_total",
+    "Requests the admission processor refused, by priority and reason.",
+    ["priority", "reason"],
+)
+
+
+@dataclass
+class ProcessorCounters:
+    streams: int = 0
+    admitted: int = 0
+    admitted_locally: int = 0
+    refused: int = 0
+    shed: int = 0
+    fail_open: int = 0
+    not_inspected: int = 0
+    last_refusal: str = ""
+    refusals: list[str] = field(default_factory=list)
+
+    def refuse(self, message: str) -> None:
+        self.refused += 1
+        self.last_refusal = message
+        if len(self.refusals) < 100:
+            self.refusals.append(message)
+
+
+def _header(request: ProcessingRequest, name: str) -> str | None:
+    headers = request.request_headers.headers if request.request_headers else None
+    if headers is None:
+        return None
+    for header in headers.headers:
+        if header.key.lower() == name:
+            return header.value or header.raw_value.decode(errors="replace")
+    return None
+
+
+def _metadata_value(context: Any, name: str) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == name:
+            return str(value)
+    return None
+
+
+# Serialized once: building and serializing these pydantic messages per chunk costs ~70 µs.
+_CONTINUE_HEADERS = ProcessingResponse(request_headers=HeadersResponse(response=CommonResponse())).SerializeToString()
+_CONTINUE_BODY = ProcessingResponse(request_body=BodyResponse(response=CommonResponse())).SerializeToString()
+
+
+def _continue_headers() -> bytes:
+    return _CONTINUE_HEADERS
+
+
+def _continue_body() -> bytes:
+    return _CONTINUE_BODY
+
+
+def _serialize(response: ProcessingResponse | bytes) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def local_reply(grpc_status: int, http_status: StatusCode, message: str) -> ProcessingResponse:
+    return ProcessingResponse(
+        immediate_response=ImmediateResponse(
+            status=HttpStatus(code=http_status),
+            grpc_status=GrpcStatus(status=grpc_status),
+            body=message.encode(),
+            details=f"sits_admission_{'refused' if grpc_status == GRPC_RESOURCE_EXHAUSTED else 'shed'}",
+        )
+    )
+
+
+class AdmissionProcessor:
+    """One `Process` stream per HTTP request; decisions come from admission.py and the Admitter."""
+
+    def __init__(
+        self,
+        policy: MeshPolicy,
+        admitter: Admitter,
+        pressure: PressureSource | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.policy = policy
+        self.admitter = admitter
+        self.pressure = pressure or NoPressure()
+        self.counters = ProcessorCounters()
+        self.recent_free_kv = RecentFreeKv(policy.admission, clock or SystemClock())
+
+    async def _verdict(self, query: AdmissionQuery) -> Verdict:
+        if self.recent_free_kv.admits_locally(query):
+            self.counters.admitted_locally += 1
+            return Verdict(admitted=True, reason="small against recent free KV")
+        try:
+            verdict = await self.admitter.admit(query)
+            self.recent_free_kv.remember(verdict)
+            return verdict
+        except AdmitterUnavailable as err:
+            self.counters.fail_open += 1
+            log.warning("admitter unavailable, using the fallback: %s", err)
+            return fallback_verdict(query, self.policy.admission)
+
+    async def process(
+        self, requests: AsyncIterator[ProcessingRequest], context: Any
+    ) -> AsyncIterator[ProcessingResponse | bytes]:
+        self.counters.streams += 1
+        # Without a header phase, the route names the priority in the stream's metadata.
+        priority = priority_of(_metadata_value(context, PRIORITY_METADATA), self.policy.priorities)
+        decided = False
+        shed_checked = False
+        body = bytearray()
+        async for request in requests:
+            if request.request_headers is not None:
+                path = _header(request, ":path") or ""
+                priority = priority_of(_header(request, self.policy.priorities.header), self.policy.priorities)
+                inspect = path.split("?", 1)[0] == self.policy.admission.generate_path
+                reason = shed_reason(priority, self.pressure.current(), self.policy.priorities)
+                shed_checked = True
+                if reason is not None:
+                    self.counters.shed += 1
+                    SHED_REQUESTS.labels(priority=str(priority).upper(), reason="pressure").inc()
+                    yield local_reply(GRPC_UNAVAILABLE, StatusCode.ServiceUnavailable, reason)
+                    return
+                if not inspect:
+                    self.counters.not_inspected += 1
+                    decided = True
+                yield _continue_headers()
+            elif request.request_body is not None:
+                chunk = request.request_body
+                if decided:
+                    yield _continue_body()
+                    continue
+                if not shed_checked:
+                    shed_checked = True
+                    reason = shed_reason(priority, self.pressure.current(), self.policy.priorities)
+                    if reason is not None:
+                        self.counters.shed += 1
+                        SHED_REQUESTS.labels(priority=str(priority).upper(), reason="pressure").inc()
+                        yield local_reply(GRPC_UNAVAILABLE, StatusCode.ServiceUnavailable, reason)
+                        return
+                body += chunk.body
+                if len(body) > MAX_BODY_BYTES:
+                    message = refusal_message(
+                        Verdict(
+                            admitted=False,
+                            reason=f"the request body exceeds {MAX_BODY_BYTES >> 20} MiB and is not inspected",
+                        )
+                    )
+                    self.counters.refuse(message)
+                    SHED_REQUESTS.labels(priority=str(priority).upper(), reason="kv_admission").inc()
+                    yield local_reply(GRPC_RESOURCE_EXHAUSTED, StatusCode.TooManyRequests, message)
+                    return
+                if not (frame_complete(body) or chunk.end_of_stream):
+                    yield _continue_body()
+                    continue
+                decided = True
+                try:
+                    shape = parse_generate(body)
+                except NotAGenerateRequest as err:
+                    # The engine rejects what it cannot parse; nothing to protect here.
+                    log.info("not inspected: %s", err)
+                    self.counters.not_inspected += 1
+                    yield _continue_body()
+                    continue
+                body.clear()
+                verdict = await self._verdict(AdmissionQuery(shape.prompt_tokens, shape.max_tokens, priority))
+                if verdict.admitted:
+                    self.counters.admitted += 1
+                    yield _continue_body()
+                else:
+                    message = refusal_message(verdict)
+                    self.counters.refuse(message)
+                    SHED_REQUESTS.labels(priority=str(priority).upper(), reason="kv_admission").inc()
+                    yield local_reply(GRPC_RESOURCE_EXHAUSTED, StatusCode.TooManyRequests, message)
+                    return
+            else:
+                # Trailers or response phases are not requested; answer nothing we were not asked.
+                continue
+
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Process": grpc.stream_stream_rpc_method_handler(
+                    self.process,
+                    request_deserializer=ProcessingRequest.FromString,
+                    response_serializer=_serialize,
+                )
+            },
+        )
+
+
+class ExtProcServer:
+    """`async with ExtProcServer(processor, port=0) as server:` serves on 127.0.0.1:`server.port`."""
+
+    def __init__(self, processor: AdmissionProcessor, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.processor = processor
+        self.host = host
+        self.port = port
+        self._server: grpc.aio.Server | None = None
+
+    async def __aenter__(self) -> ExtProcServer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((self.processor.handler(),))
+        self.port = server.add_insecure_port(f"{self.host}:{self.port}")
+        await server.start()
+        self._server = server
+
+    async def stop(self, grace_s: float = 0.5) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            with contextlib.suppress(Exception):
+                await server.stop(grace_s)

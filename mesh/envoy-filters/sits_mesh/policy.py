@@ -1,0 +1,213 @@
+"""The mesh policy: one validated file from which every Envoy and Istio config is rendered.
+
+Pure: no I/O except `load_policy`, which only reads the YAML file it is given.
+Values are range-checked here so that a policy that validates always renders a
+config Envoy accepts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PriorityName = Literal["p0", "p1", "p2"]
+PRIORITY_NAMES: tuple[PriorityName, ...] = ("p0", "p1", "p2")
+
+# HTTP/2 (RFC 9113) bounds; Envoy rejects windows outside them.
+MIN_H2_WINDOW = 65_535
+MAX_H2_WINDOW = 2**31 - 1
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Endpoint(_Frozen):
+    address: str = "127.0.0.1"
+    port: int = Field(ge=0, le=65535)
+
+
+class Http2Limits(_Frozen):
+    """Flow-control limits, set on both the listener and the upstream cluster.
+
+    Envoy 1.36+ defaults to 16 MiB stream / 24 MiB connection windows, which
+    would let one slow client pin megabytes; these keep every stream small.
+    """
+
+    initial_stream_window_bytes: int = Field(65_536, ge=MIN_H2_WINDOW, le=MAX_H2_WINDOW)
+    initial_connection_window_bytes: int = Field(1_048_576, ge=MIN_H2_WINDOW, le=MAX_H2_WINDOW)
+    max_concurrent_streams: int = Field(256, ge=1, le=2**31 - 1)
+    per_connection_buffer_limit_bytes: int = Field(65_536, ge=1024, le=64 << 20)
+
+    @model_validator(mode="after")
+    def _connection_window_holds_a_stream(self) -> Http2Limits:
+        if self.initial_connection_window_bytes < self.initial_stream_window_bytes:
+            raise ValueError("initial_connection_window_bytes must be >= initial_stream_window_bytes")
+        return self
+
+
+class Timeouts(_Frozen):
+    connect_s: float = Field(2.0, gt=0, le=60)
+    # Token streams can run for minutes: the route timeout is off and an idle
+    # timeout catches streams that stopped moving instead.
+    stream_idle_s: float = Field(30.0, gt=0, le=3600)
+
+
+class PriorityClass(_Frozen):
+    """Circuit-breaker limits of one priority's cluster; the executor moves them at runtime."""
+
+    max_connections: int = Field(64, ge=0, le=1_000_000)
+    max_pending_requests: int = Field(64, ge=0, le=1_000_000)
+    max_requests: int = Field(256, ge=0, le=1_000_000)
+    max_retries: int = Field(0, ge=0, le=1_000_000)
+    # Fraction of pressure (0..1) at which the external processor sheds this
+    # priority; 1.0 means never (the overload manager still stops everything).
+    shed_at_pressure: float = Field(1.0, ge=0.0, le=1.0)
+
+
+def _default_priorities() -> dict[PriorityName, PriorityClass]:
+    return {
+        "p0": PriorityClass(max_requests=256, shed_at_pressure=1.0),
+        "p1": PriorityClass(max_requests=128, shed_at_pressure=0.85),
+        "p2": PriorityClass(max_requests=64, shed_at_pressure=0.7),
+    }
+
+
+class Priorities(_Frozen):
+    header: str = Field("x-sits-priority", pattern=r"^[a-z0-9-]+$")
+    default: PriorityName = "p1"
+    classes: dict[PriorityName, PriorityClass] = Field(default_factory=_default_priorities)
+
+    @model_validator(mode="after")
+    def _all_classes(self) -> Priorities:
+        missing = [p for p in PRIORITY_NAMES if p not in self.classes]
+        if missing:
+            raise ValueError(f"priorities.classes lacks {missing}")
+        return self
+
+
+class Overload(_Frozen):
+    """GPU pressure, written by SITS into a file that Envoy's `injected_resource` monitor reads."""
+
+    pressure_file: str = "/var/run/sits/gpu_pressure"
+    # Above `shed_at`, new streams are refused at header decoding (load-shed point);
+    # above `stop_accepting_at`, the overload manager stops accepting requests.
+    shed_at: float = Field(0.9, gt=0.0, le=1.0)
+    stop_accepting_at: float = Field(0.95, gt=0.0, le=1.0)
+    refresh_interval_s: float = Field(0.05, gt=0, le=10)
+
+    @model_validator(mode="after")
+    def _shed_below_stop(self) -> Overload:
+        if self.shed_at >= self.stop_accepting_at:
+            raise ValueError("overload.shed_at must be lower than overload.stop_accepting_at")
+        return self
+
+
+class RateLimit(_Frozen):
+    max_tokens: int = Field(1000, ge=1, le=10_000_000)
+    tokens_per_fill: int = Field(1000, ge=1, le=10_000_000)
+    fill_interval_s: float = Field(1.0, ge=0.05, le=3600)
+    # Percent of requests the filter looks at / enforces on; runtime can move both.
+    enabled_percent: int = Field(100, ge=0, le=100)
+    enforced_percent: int = Field(100, ge=0, le=100)
+
+
+class Admission(_Frozen):
+    """The external processor that checks each Generate against free KV memory."""
+
+    enabled: bool = True
+    address: str = "127.0.0.1"
+    port: int = Field(50070, ge=1, le=65535)
+    # How long Envoy waits for one processor answer before failing open.
+    message_timeout_s: float = Field(0.5, gt=0, le=10)
+    # Processor's own wait for the decision service, after which it admits.
+    decision_timeout_s: float = Field(0.2, gt=0, le=10)
+    # Only this gRPC method carries prompts; everything else passes untouched.
+    generate_path: str = "/vllm.grpc.engine.VllmEngine/Generate"
+    # When the decision service cannot answer, the processor still refuses
+    # requests whose prompt + max_tokens exceed this (0: no local cap).
+    fallback_max_total_tokens: int = Field(0, ge=0, le=10_000_000)
+    # Engine name sent in AdmitRequest.target.engine.
+    engine: str = "vllm-0"
+    # False: Envoy sends only the body; the route tells the processor the
+    # priority through the ext_proc stream's metadata (one round trip less).
+    # True: headers go to the processor too (Istio output always sends them).
+    send_headers: bool = False
+    # STREAMED: Envoy forwards headers at once and holds only the body chunk that
+    # completes the message. BUFFERED_PARTIAL: Envoy holds headers and body (up to
+    # its buffer limit) until the processor answers.
+    body_mode: Literal["STREAMED", "BUFFERED_PARTIAL"] = "STREAMED"
+    # Small requests skip the decision service: admitted locally when their KV
+    # need is at most this fraction of the free KV in an Admit answer younger
+    # than `local_admit_max_age_s` (0: always ask).
+    local_admit_fraction: float = Field(0.01, ge=0.0, le=0.5)
+    local_admit_max_age_s: float = Field(0.5, ge=0.0, le=10.0)
+    # KV bytes per token of the served model, for the local estimate (0: unknown, always ask).
+    kv_bytes_per_token: int = Field(0, ge=0, le=1 << 30)
+
+
+class OutlierDetection(_Frozen):
+    """Istio DestinationRule outlier detection: eject an engine that keeps failing."""
+
+    consecutive_5xx_errors: int = Field(5, ge=1, le=1000)
+    interval_s: float = Field(10.0, gt=0, le=3600)
+    base_ejection_time_s: float = Field(30.0, gt=0, le=3600)
+    max_ejection_percent: int = Field(50, ge=0, le=100)
+
+
+class MeshPolicy(_Frozen):
+    version: int = Field(1, ge=1)
+    name: str = Field("sits", pattern=r"^[a-z0-9-]+$")
+    listener: Endpoint = Endpoint(address="0.0.0.0", port=10000)
+    admin: Endpoint = Endpoint(address="127.0.0.1", port=9901)
+    upstream: Endpoint = Endpoint(address="127.0.0.1", port=50051)
+    upstream_cluster: str = Field("vllm", pattern=r"^[a-z0-9_]+$")
+    http2: Http2Limits = Http2Limits()
+    timeouts: Timeouts = Timeouts()
+    priorities: Priorities = Priorities()
+    overload: Overload = Overload()
+    rate_limit: RateLimit = RateLimit()
+    admission: Admission = Admission()
+    outlier_detection: OutlierDetection = OutlierDetection()
+    # One line per stream, with the client's W3C traceparent; None: no access log.
+    access_log_path: str | None = None
+    # Istio output.
+    namespace: str = Field("default", pattern=r"^[a-z0-9-]+$")
+    service_host: str = "vllm.default.svc.cluster.local"
+    workload_labels: dict[str, str] = Field(default_factory=lambda: {"app": "vllm"})
+
+    @model_validator(mode="after")
+    def _admin_on_loopback(self) -> MeshPolicy:
+        if self.admin.address not in ("127.0.0.1", "::1"):
+            raise ValueError("admin.address must be loopback (127.0.0.1 or ::1): the admin API can reconfigure")
+        return self
+
+    def cluster_for(self, priority: PriorityName) -> str:
+        return f"{self.upstream_cluster}_{priority}"
+
+
+class PolicyError(ValueError):
+    """The policy file does not validate; the message names each bad field."""
+
+
+def parse_policy(text: str, source: str = "<policy>") -> MeshPolicy:
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise PolicyError(f"{source}: not YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise PolicyError(f"{source}: the top level must be a mapping")
+    try:
+        return MeshPolicy.model_validate(data)
+    except ValidationError as err:
+        lines = [
+            f"{'.'.join(str(p) for p in problem['loc']) or '<root>'}: {problem['msg']}" for problem in err.errors()
+        ]
+        raise PolicyError(f"{source}: invalid mesh policy:\n  " + "\n  ".join(lines)) from None
+
+
+def load_policy(path: Path) -> MeshPolicy:
+    return parse_policy(path.read_text(), str(path))
