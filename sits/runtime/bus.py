@@ -237,6 +237,7 @@ class EventConsumer:
             heartbeat_interval_ms=1_000,
         )
         self._started = False
+        self._metric_children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.stats = ConsumerStats()
 
     async def start(self) -> None:
@@ -324,7 +325,7 @@ class EventConsumer:
                 keep.append((record, message, counts[key]))
             else:
                 self.stats.coalesced += 1
-                metrics.EVENTS_COALESCED.labels(topic=record.topic).inc()
+                self._child(metrics.EVENTS_COALESCED, record.topic).inc()
         return keep
 
     async def _handle_traced(self, event: ReceivedEvent) -> None:
@@ -344,11 +345,19 @@ class EventConsumer:
             ):
                 started = time.perf_counter()
                 await self._handler(event)
-                metrics.HANDLER_SECONDS.labels(topic=event.topic).observe(time.perf_counter() - started)
+                self._child(metrics.HANDLER_SECONDS, event.topic).observe(time.perf_counter() - started)
         finally:
             otel_context.detach(token)
         self.stats.handled += 1
-        metrics.EVENTS_IN.labels(topic=event.topic, type=event.event_type).inc()
+        self._child(metrics.EVENTS_IN, event.topic, event.event_type).inc()
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """The labelled child of `metric`, looked up once: `.labels()` per record is measurable."""
+        key = (id(metric), labels)
+        child = self._metric_children.get(key)
+        if child is None:
+            child = self._metric_children[key] = metric.labels(*labels)
+        return child
 
     async def _decode_or_dead_letter(self, record: ConsumerRecord[bytes, bytes]) -> Message | None:
         headers = list(record.headers)
