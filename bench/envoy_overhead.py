@@ -36,8 +36,9 @@ import yaml  # noqa: E402
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc  # noqa: E402
 
 from bench.common import median, quantile, write_result  # noqa: E402
+from sits.stack.procs import free_port  # noqa: E402
 from sits.stack.vllm_engine import VllmServer, make_random_llama  # noqa: E402
-from sits_mesh.envoy_process import EnvoyProcess, free_port  # noqa: E402
+from sits_mesh.envoy_process import EnvoyProcess  # noqa: E402
 from sits_mesh.policy import MeshPolicy, load_policy  # noqa: E402
 
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 2  # the random Llama: 2 layers, 2 KV heads, head_dim 64, bf16

@@ -38,9 +38,10 @@ from smg_grpc_proto import vllm_engine_pb2_grpc  # noqa: E402
 
 from bench.common import quantile, write_result  # noqa: E402
 from bench.envoy_overhead import KV_BYTES_PER_TOKEN, admission_process, bench_policy, request  # noqa: E402
+from sits.stack.procs import free_port  # noqa: E402
 from sits.stack.vllm_engine import VllmServer, make_random_llama  # noqa: E402
 from sits_mesh.envoy_config import breaker_key, shed_key  # noqa: E402
-from sits_mesh.envoy_process import EnvoyProcess, free_port  # noqa: E402
+from sits_mesh.envoy_process import EnvoyProcess  # noqa: E402
 from sits_mesh.policy import load_policy  # noqa: E402
 
 CAPACITY = 4

