@@ -179,9 +179,12 @@ def read_trace(path: str | Path) -> Trace:
     if not lines:
         raise TraceFormatError(f"{path}: empty file, expected a header line")
     try:
-        header = TraceHeader.from_json(json.loads(lines[0]))
+        raw_header = json.loads(lines[0])
     except json.JSONDecodeError as exc:
         raise TraceFormatError(f"line 1: not JSON ({exc})") from exc
+    if not isinstance(raw_header, dict):
+        raise TraceFormatError("line 1: the header must be an object")
+    header = TraceHeader.from_json(raw_header)
     records: list[Record] = []
     previous_t = 0.0
     for line_no, line in enumerate(lines[1:], start=2):

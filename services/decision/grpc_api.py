@@ -60,14 +60,21 @@ class DecisionService(decision_pb2_grpc.DecisionServicer):
         if not request.samples and not request.ooms:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Evaluate needs at least one sample or OOM event")
         target = convert.target_from_pb(request.target) if request.HasField("target") else None
-        result = self._engine.evaluate(
-            [convert.sample_from_pb(s) for s in request.samples], [convert.oom_from_pb(o) for o in request.ooms], target
-        )
-        return decision_pb2.EvaluateResponse(
-            forecast=convert.forecast_to_pb(result.forecast),
-            root_cause=convert.root_cause_to_pb(result.root_cause),
-            commands=[convert.command_to_pb(c) for c in result.commands],
-        )
+        try:
+            result = self._engine.evaluate(
+                [convert.sample_from_pb(s) for s in request.samples],
+                [convert.oom_from_pb(o) for o in request.ooms],
+                target,
+            )
+            return decision_pb2.EvaluateResponse(
+                forecast=convert.forecast_to_pb(result.forecast),
+                root_cause=convert.root_cause_to_pb(result.root_cause),
+                commands=[convert.command_to_pb(c) for c in result.commands],
+            )
+        except ValueError as err:
+            # Times far outside what a Timestamp holds (found by fuzzing): the caller's input, not our fault.
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a time in the request is out of range: {err}")
+            raise AssertionError("unreachable") from err
 
     async def GetPolicy(self, request: decision_pb2.GetPolicyRequest, context: Context) -> decision_pb2.Policy:
         policy = self._engine.policy
