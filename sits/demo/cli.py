@@ -262,6 +262,7 @@ class Demo:
         self.notes.append(
             f"replayed {self.config.replay} ({len(trace.records)} records) at {self.config.replay_speed}x"
         )
+        self.timeline.restart_clock()
         began = time.monotonic()
         await self._with_live_view(
             asyncio.wait_for(self.stop.wait(), duration),
@@ -287,7 +288,11 @@ class Demo:
         self.notes.append(
             f"the whole demo took {took_s:.0f} s; logs are in {out / 'logs'} and {out / 'stack' / 'logs'}"
         )
-        page = write_report(self.timeline, out, "SITS demo: vLLM on the CPU under 3x load", self.notes)
+        if self.config.replay is None:
+            title = f"SITS demo: vLLM on the CPU under {self.config.peak_factor:g}x load"
+        else:
+            title = f"SITS demo: memory replayed from {self.config.replay.name} onto a live engine"
+        page = write_report(self.timeline, out, title, self.notes)
         table = Table(title="requests by priority", title_justify="left")
         for column in ("priority", "submitted", "served", "shed", "failed", "TTFT p50", "TTFT p99"):
             table.add_column(column)

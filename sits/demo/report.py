@@ -104,7 +104,10 @@ def plot_timeline(timeline: Timeline, path: Path, title: str = "SITS demo") -> N
             )
     ax_ttft.set_ylabel("TTFT (ms)")
     ax_ttft.set_yscale("log")
-    ax_ttft.legend(loc="upper left", fontsize=8)
+    if any(r.ttft_s is not None for r in timeline.requests):
+        ax_ttft.legend(loc="upper left", fontsize=8)
+    else:
+        ax_ttft.text(0.5, 0.5, "no client load in this run", transform=ax_ttft.transAxes, ha="center")
     ax_ttft.grid(alpha=0.3, which="both")
 
     if timeline.requests:
