@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.decision.domain.types import Forecast, Target
@@ -29,14 +31,28 @@ DROPPED_SAMPLES = Counter(
 )
 
 
+# Labelled children per target, looked up once: this runs for every sample the service handles.
+_CHILDREN: dict[tuple[str, float], tuple[Any, Any]] = {}
+MAX_TARGETS = 100_000
+
+
 def export_forecast(target: Target, forecast: Forecast, horizon_s: float) -> None:
-    labels = {
-        "host": target.host,
-        "gpu": target.gpu_uuid,
-        "mig_instance": target.mig_instance,
-        "engine": target.engine,
-        "tenant": target.engine,
-    }
-    PREDICTED_FRACTION.labels(**labels, horizon_seconds=f"{horizon_s:g}").set(forecast.predicted_fraction)
+    children = _CHILDREN.get((target.key, horizon_s))
+    if children is None:
+        labels = {
+            "host": target.host,
+            "gpu": target.gpu_uuid,
+            "mig_instance": target.mig_instance,
+            "engine": target.engine,
+            "tenant": target.engine,
+        }
+        if len(_CHILDREN) >= MAX_TARGETS:
+            _CHILDREN.clear()
+        children = _CHILDREN[(target.key, horizon_s)] = (
+            PREDICTED_FRACTION.labels(**labels, horizon_seconds=f"{horizon_s:g}"),
+            TIME_TO_OOM.labels(**labels),
+        )
+    predicted, time_to_oom = children
+    predicted.set(forecast.predicted_fraction)
     tto = forecast.time_to_limit_s
-    TIME_TO_OOM.labels(**labels).set(float("inf") if tto is None else tto)
+    time_to_oom.set(float("inf") if tto is None else tto)
