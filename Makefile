@@ -8,6 +8,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 STUBS := sits/v1/events_pb2.py
 PYTEST_ARGS ?=
+# pytest exits 5 when it collected nothing: for CI that is a failure, and it says so.
+NO_TESTS_IS_FAILURE = { rc=$$?; [ $$rc -ne 5 ] || echo "pytest collected no tests: failing" >&2; exit $$rc; }
 
 .PHONY: setup stubs demo test test-fast lint typecheck bench bench-gpu clean redis promtool
 
@@ -51,9 +53,9 @@ typecheck: setup
 # pytest process of their own. GPU-marked tests run on the H200 (scripts/gpu/*.sh), not here.
 test: setup redis promtool lint typecheck
 	@echo "==> pytest: kernels on the CPU (Triton interpreter)"
-	@TRITON_INTERPRET=1 $(PY) -m pytest tests/kernels -m "not gpu" $(PYTEST_ARGS)
+	@TRITON_INTERPRET=1 $(PY) -m pytest tests/kernels -m "not gpu" $(PYTEST_ARGS) || $(NO_TESTS_IS_FAILURE)
 	@echo "==> pytest: everything else (real Tansu, Redis, Envoy, vLLM on the CPU)"
-	@$(PY) -m pytest --ignore=tests/kernels -m "not gpu" $(PYTEST_ARGS)
+	@$(PY) -m pytest --ignore=tests/kernels -m "not gpu" $(PYTEST_ARGS) || $(NO_TESTS_IS_FAILURE)
 
 test-fast: setup redis promtool
 	@$(PY) -m pytest --ignore=tests/kernels -m "not vllm and not slow and not gpu" $(PYTEST_ARGS)
