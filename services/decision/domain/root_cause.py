@@ -184,18 +184,35 @@ def _adapter_leak(points: Sequence[Sample], total: int) -> RootCause:
 
 
 def _collective_growth(points: Sequence[Sample], used_growth: float, floor: float) -> RootCause:
-    outside = _series(points, _outside_allocator)
-    if outside is None or outside.delta < floor:
-        return RootCause(RootCauseKind.COLLECTIVE_BUFFER_GROWTH, 0.0)
-    score = _clamp(outside.delta / max(used_growth, outside.delta))
-    evidence = (
-        Evidence(
-            "outside_allocator_rise_bytes",
-            outside.delta,
-            f"NVML process memory minus allocator reserved {outside.early / GIB:.2f} -> {outside.late / GIB:.2f} GiB",
-        ),
+    return _growth_of(
+        points,
+        _outside_allocator,
+        used_growth,
+        floor,
+        RootCauseKind.COLLECTIVE_BUFFER_GROWTH,
+        "outside_allocator_rise_bytes",
+        "NVML process memory minus allocator reserved",
     )
-    return RootCause(RootCauseKind.COLLECTIVE_BUFFER_GROWTH, round(score, 4), evidence)
+
+
+def _growth_of(
+    points: Sequence[Sample],
+    get: Callable[[Sample], float | None],
+    used_growth: float,
+    floor: float,
+    kind: RootCauseKind,
+    evidence_name: str,
+    what: str,
+) -> RootCause:
+    """A cause scored by how much of the device's growth one series (memory held by someone) explains."""
+    series = _series(points, get)
+    if series is None or series.delta < floor:
+        return RootCause(kind, 0.0)
+    score = _clamp(series.delta / max(used_growth, series.delta))
+    evidence = (
+        Evidence(evidence_name, series.delta, f"{what} {series.early / GIB:.2f} -> {series.late / GIB:.2f} GiB"),
+    )
+    return RootCause(kind, round(score, 4), evidence)
 
 
 def _fragmentation(points: Sequence[Sample], total: int, oom_allocator: AllocatorStats | None) -> RootCause:
@@ -230,15 +247,12 @@ def _fragmentation(points: Sequence[Sample], total: int, oom_allocator: Allocato
 
 
 def _contention(points: Sequence[Sample], used_growth: float, floor: float) -> RootCause:
-    others = _series(points, _others)
-    if others is None or others.delta < floor:
-        return RootCause(RootCauseKind.MULTI_TENANT_CONTENTION, 0.0)
-    score = _clamp(others.delta / max(used_growth, others.delta))
-    evidence = (
-        Evidence(
-            "co_tenant_rise_bytes",
-            others.delta,
-            f"other processes on this GPU {others.early / GIB:.2f} -> {others.late / GIB:.2f} GiB",
-        ),
+    return _growth_of(
+        points,
+        _others,
+        used_growth,
+        floor,
+        RootCauseKind.MULTI_TENANT_CONTENTION,
+        "co_tenant_rise_bytes",
+        "other processes on this GPU",
     )
-    return RootCause(RootCauseKind.MULTI_TENANT_CONTENTION, round(score, 4), evidence)
