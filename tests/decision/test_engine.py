@@ -53,6 +53,18 @@ def test_noisy_plateau_and_sawtooth_below_the_limit_stay_quiet(policy: Policy) -
         assert _run(engine, clock, series) == []
 
 
+def test_a_fresh_target_warns_on_a_ramp_but_not_on_its_first_sawtooth_tooth(policy: Policy) -> None:
+    # Seen from the start, both climb alike for 12 s; only the ramp goes on to the limit.
+    tooth = [0.56 + 0.3 * ((i / 10) % 12.5) / 12.5 for i in range(3000)]
+    ramp = [min(1.0, 0.5 + 0.04 * i / 10) for i in range(130)]  # 100% at t = 12.5 s
+    clock = ManualClock(1_000_000.0)
+    assert _run(DecisionEngine(policy, clock), clock, tooth) == []
+    clock = ManualClock(1_000_000.0)
+    commands = _run(DecisionEngine(policy, clock), clock, ramp)
+    assert commands, "no warning on a fresh ramp to OOM"
+    assert 12.5 - commands[0][0] >= 2.0, commands[0]
+
+
 def test_cooldown_and_hysteresis_stop_flapping(engine: DecisionEngine, clock: ManualClock) -> None:
     kv = [0.95, 0.91, 0.95, 0.91] * 50  # hovers around the 92% threshold, inside the 3% hysteresis
     fired = []

@@ -157,6 +157,7 @@ class DecisionEngine:
                     bucket_s=fc.bucket_s,
                     trend_window_s=fc.window_s,
                     min_history_s=fc.min_history_s,
+                    young_horizon_s=fc.young_horizon_s,
                 ),
             )
             self._states[key] = state

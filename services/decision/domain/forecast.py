@@ -14,7 +14,9 @@ over the bucket maxima, both in fractions of the device:
 
 Before `min_history_s` of buckets a trend is young: on a fresh target the
 first tooth of a slow sawtooth cannot be told from a ramp, so a young trend
-extrapolates no further ahead than the history it has seen. Residual
+extrapolates no further ahead than half the history it has seen, and never
+more than `young_horizon_s`: it warns only when waiting for more history
+would leave too little time to act. Residual
 autocorrelation widens the errors, so a slow wave does not pass for a trend.
 
 A fit counts when its slope is at least `min_t` standard errors above zero;
@@ -98,6 +100,7 @@ class Trend:
     # Seconds of history behind the fit; below min_history_s the trend is "young".
     history_s: float = 0.0
     young: bool = False
+    young_horizon_s: float = math.inf
 
     @staticmethod
     def flat(envelope: float = 0.0) -> Trend:
@@ -106,7 +109,7 @@ class Trend:
     def time_to_reach(self, level: float, limit: float, horizon_s: float) -> float | None:
         """Seconds to `limit`; a young trend extrapolates no further ahead than it has seen behind."""
         seconds = time_to_reach(level, limit, self.slope_lower, horizon_s)
-        if seconds is not None and self.young and seconds > YOUNG_REACH * self.history_s:
+        if seconds is not None and self.young and seconds > min(YOUNG_REACH * self.history_s, self.young_horizon_s):
             return None
         return seconds
 
@@ -123,6 +126,7 @@ class EnvelopeTrend:
         min_t: float = 4.0,
         new_high_margin: float = 0.002,
         min_history_s: float = 0.0,
+        young_horizon_s: float = math.inf,
     ) -> None:
         if bucket_s <= 0 or window_s < bucket_s * min_buckets:
             raise ValueError("the window must hold at least min_buckets buckets")
@@ -132,6 +136,7 @@ class EnvelopeTrend:
         self.min_t = min_t
         self.new_high_margin = new_high_margin
         self.min_history_s = min_history_s
+        self.young_horizon_s = young_horizon_s
         self._max_buckets = max(min_buckets, int(window_s / bucket_s))
         self._ts: deque[float] = deque(maxlen=self._max_buckets)
         self._ys: deque[float] = deque(maxlen=self._max_buckets)
@@ -210,7 +215,9 @@ class EnvelopeTrend:
                             "short",
                         )
         history = self._ts[-1] - self._ts[0] + self.bucket_s
-        return replace(best, history_s=history, young=history < self.min_history_s)
+        return replace(
+            best, history_s=history, young=history < self.min_history_s, young_horizon_s=self.young_horizon_s
+        )
 
 
 def _pooled(ts: list[float], ys: list[float], points: int) -> tuple[list[float], list[float]]:

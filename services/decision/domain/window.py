@@ -130,14 +130,19 @@ class TargetWindow:
         bucket_s: float = 0.5,
         trend_window_s: float = 60.0,
         min_history_s: float = 0.0,
+        young_horizon_s: float = math.inf,
         dedup_ids: int = 4096,
     ) -> None:
         if max_samples <= 0 or max_age_s <= 0:
             raise ValueError("a window needs a positive size and age")
         self.max_age_s = max_age_s
         self.samples: deque[Sample] = deque(maxlen=max_samples)
-        self.memory = EnvelopeTrend(bucket_s=bucket_s, window_s=trend_window_s, min_history_s=min_history_s)
-        self.kv_usage = EnvelopeTrend(bucket_s=bucket_s, window_s=trend_window_s, min_history_s=min_history_s)
+        self.memory = EnvelopeTrend(
+            bucket_s, trend_window_s, min_history_s=min_history_s, young_horizon_s=young_horizon_s
+        )
+        self.kv_usage = EnvelopeTrend(
+            bucket_s, trend_window_s, min_history_s=min_history_s, young_horizon_s=young_horizon_s
+        )
         self.drops = DropCounter()
         self.accepted = 0
         self.latest_gpu: GpuMemory | None = None
