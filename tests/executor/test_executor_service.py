@@ -20,7 +20,7 @@ from sits.runtime.redis import connect
 from sits.stack.vllm_engine import VllmServer
 from sits.v1 import common_pb2, events_pb2, executor_pb2, executor_pb2_grpc
 from sits_mesh.envoy_process import EnvoyProcess
-from sits_mesh.policy import Endpoint, MeshPolicy
+from sits_mesh.policy import Endpoint, MeshPolicy, Overload
 from tests.executor.conftest import ENGINE, Published, healing_command, make_executor
 from tests.executor.engine_streams import start_streams
 
@@ -171,6 +171,8 @@ async def test_breakers_and_pressure_drive_a_real_envoy(
         upstream=Endpoint(address=host, port=int(port)),
         listener=Endpoint(address="127.0.0.1", port=0),
         admin=Endpoint(address="127.0.0.1", port=0),
+        # Relative: inside the Envoy workdir, not the system default under /var/run.
+        overload=Overload(pressure_file="gpu_pressure"),
     )
     async with EnvoyProcess(policy, workdir=tmp_path / "envoy") as envoy:
         executor = make_executor(
