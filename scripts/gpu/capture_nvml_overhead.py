@@ -6,8 +6,10 @@ Runs capture's real `NvmlSource` (asyncio loop, NVML v2 memory + utilization +
 per-process memory, conversion to sits.v1.MetricSample) alone in this process
 and divides the process's CPU seconds by the wall seconds sampled and by the
 number of GPUs. Where the protobuf stubs do not import on the machine, it times
-the `NvmlReader` in a thread instead and says so in `mode`. A baseline run of
-the same loop with the NVML read replaced by nothing is measured in the same run.
+the `NvmlReader` in a thread instead and says so in `mode`. Baselines measured
+in the same run: the same source with the NVML read replaced by nothing, and
+the earlier design that sampled on the event loop itself (one loop wake-up per
+sample).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def run_source(hz: float, seconds: float, *, with_nvml: bool) -> dict[str, Any]:
         def open(self) -> None:
             pass
 
-        def read(self) -> list[Any]:
+        def read(self, details: bool = True) -> list[Any]:
             return []
 
     source = NvmlSource(hz=hz, reader=NvmlReader() if with_nvml else NullReader())
@@ -70,6 +72,35 @@ def run_source(hz: float, seconds: float, *, with_nvml: bool) -> dict[str, Any]:
     samples = asyncio.run(driver())
     cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
     return {"cpu_s": cpu, "wall_s": wall, "samples": samples}
+
+
+def run_on_loop(hz: float, seconds: float) -> dict[str, Any]:
+    """The earlier design: read and convert on the event loop, one wake-up per sample."""
+    from services.capture.sources.nvml import reading_to_sample
+
+    reader = NvmlReader()
+    reader.open()
+
+    async def loop() -> int:
+        n, period = 0, 1.0 / hz
+        next_tick = time.monotonic()
+        while time.monotonic() < end:
+            for reading in reader.read():
+                reading_to_sample(reading, host="h200")
+                n += 1
+            next_tick += period
+            now = time.monotonic()
+            next_tick = max(next_tick, now)
+            await asyncio.sleep(next_tick - now)
+        return n
+
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    end = wall0 + seconds
+    samples = asyncio.run(loop())
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    gpus = max(1, reader.gpu_count)
+    reader.close()
+    return {"cpu_s": cpu, "wall_s": wall, "samples": samples, "cpu_pct_per_gpu": 100.0 * cpu / wall / gpus}
 
 
 def run_reader_thread(hz: float, seconds: float) -> dict[str, Any]:
@@ -122,9 +153,11 @@ def main() -> int:
         if mode.startswith("NvmlSource"):
             baseline = run_source(hz, min(5.0, seconds), with_nvml=False)
             run = run_source(hz, seconds, with_nvml=True)
+            on_loop = run_on_loop(hz, seconds)
         else:
             baseline = {"cpu_s": 0.0, "wall_s": 1.0, "samples": 0}
             run = run_reader_thread(hz, seconds)
+            on_loop = {}
         pct = 100.0 * run["cpu_s"] / run["wall_s"] / gpus
         result["runs"][f"{int(hz)}hz"] = {
             **run,
@@ -135,6 +168,7 @@ def main() -> int:
                 **baseline,
                 "cpu_pct": 100.0 * baseline["cpu_s"] / baseline["wall_s"],
             },
+            "baseline_sampling_on_the_event_loop": on_loop,
         }
         print(f"{int(hz)} Hz: {pct:.3f}% of a core per GPU ({run['samples']} samples in {run['wall_s']:.1f} s)")
     out_path.write_text(json.dumps(result, indent=2))

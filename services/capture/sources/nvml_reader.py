@@ -3,7 +3,9 @@
 Standard library and pynvml only, so the same reader runs inside capture and in
 the H200 recording scripts. Per GPU it reads the v2 memory struct (used, total,
 reserved, free), utilization, and per-process memory; with MIG on, it reads
-each MIG instance as its own reading.
+each MIG instance as its own reading. Utilization and the process list change
+slowly and cost as much as the memory read: `read(details=False)` reads memory
+only and repeats the last details read.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class NvmlReader:
         self._include_mig = include_mig
         self._devices: list[tuple[int, Any, str, list[tuple[Any, str]]]] = []
         self._names: dict[int, str] = {}
+        # Per (GPU index, MIG instance): the last utilization and process list read.
+        self._details: dict[tuple[int, str], tuple[float | None, tuple[ProcessReading, ...]]] = {}
         self._opened = False
 
     def open(self) -> None:
@@ -107,24 +111,36 @@ class NvmlReader:
             with contextlib.suppress(Exception):
                 self._nvml.nvmlShutdown()
         self._devices = []
+        self._details = {}
 
-    def read(self) -> list[GpuReading]:
+    def read(self, details: bool = True) -> list[GpuReading]:
         readings: list[GpuReading] = []
         for index, handle, uuid, migs in self._devices:
-            readings.append(self._read_one(index, handle, uuid, "", with_utilization=True))
+            readings.append(self._read_one(index, handle, uuid, "", with_utilization=True, details=details))
             for mig_handle, mig_uuid in migs:
-                readings.append(self._read_one(index, mig_handle, uuid, mig_uuid, with_utilization=False))
+                readings.append(
+                    self._read_one(index, mig_handle, uuid, mig_uuid, with_utilization=False, details=details)
+                )
         return readings
 
-    def _read_one(self, index: int, handle: Any, uuid: str, mig: str, *, with_utilization: bool) -> GpuReading:
+    def _read_one(
+        self, index: int, handle: Any, uuid: str, mig: str, *, with_utilization: bool, details: bool
+    ) -> GpuReading:
         nvml = self._nvml
         memory = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
-        utilization: float | None = None
-        if with_utilization:
-            try:
-                utilization = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-            except Exception:
-                utilization = None
+        key = (index, mig)
+        cached = self._details.get(key)
+        if details or cached is None:
+            utilization: float | None = None
+            if with_utilization:
+                try:
+                    utilization = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+                except Exception:
+                    utilization = None
+            processes = self._processes(handle) if self._include_processes else ()
+            self._details[key] = (utilization, processes)
+        else:
+            utilization, processes = cached
         return GpuReading(
             index=index,
             gpu_uuid=uuid,
@@ -134,7 +150,7 @@ class NvmlReader:
             reserved_bytes=int(memory.reserved),
             free_bytes=int(memory.free),
             utilization_pct=utilization,
-            processes=self._processes(handle) if self._include_processes else (),
+            processes=processes,
         )
 
     def _processes(self, handle: Any) -> tuple[ProcessReading, ...]:
