@@ -5,8 +5,9 @@
 
 The measurement is scripts/gpu/capture_nvml_overhead.py (also run by
 scripts/gpu/capture_h200.sh): capture's real NvmlSource, alone in a process,
-CPU seconds over wall seconds per GPU. Its baseline is the same asyncio loop at
-the same rate with the NVML read replaced by nothing, measured in the same run.
+CPU seconds over wall seconds per GPU. Its baselines, measured in the same run:
+the same source with the NVML read replaced by nothing, and the earlier design
+that sampled on the event loop (one loop wake-up per sample).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "bench" / "results" / "capture_overhead.json"
 
 
-def result_from_raw(raw: dict[str, object], measured_at: str, command: str) -> dict[str, object]:
+def result_from_raw(raw: dict[str, object], measured_at: str, command: str, note: str = "") -> dict[str, object]:
     runs = raw["runs"]
     assert isinstance(runs, dict)
     return {
@@ -40,9 +41,14 @@ def result_from_raw(raw: dict[str, object], measured_at: str, command: str) -> d
         "baseline": {
             "asyncio_loop_without_nvml_cpu_pct_10hz": round(runs["10hz"]["baseline_loop_without_nvml"]["cpu_pct"], 3),
             "asyncio_loop_without_nvml_cpu_pct_100hz": round(runs["100hz"]["baseline_loop_without_nvml"]["cpu_pct"], 3),
+            **{
+                f"sampling_on_the_event_loop_cpu_pct_per_gpu_{rate}": round(on_loop["cpu_pct_per_gpu"], 3)
+                for rate in ("10hz", "100hz")
+                if (on_loop := runs[rate].get("baseline_sampling_on_the_event_loop"))
+            },
         },
         "goal": {"cpu_pct_per_gpu_100hz": 1.0},
-        "notes": raw["mode"],
+        "notes": f"{raw['mode']}. {note}".strip(),
     }
 
 
@@ -50,6 +56,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--from", dest="raw", type=Path, help="raw JSON written by capture_nvml_overhead.py")
     parser.add_argument("--measured-at", default=None)
+    parser.add_argument("--note", default="", help="what the reader must know about this measurement")
     args = parser.parse_args()
     if args.raw is None:
         raw_path = Path(tempfile.mkdtemp()) / "raw.json"
@@ -61,8 +68,11 @@ def main() -> int:
     else:
         raw_path = args.raw
         measured_at = args.measured_at or datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        command = "OUT=dir scripts/gpu/capture_h200.sh (NVML_SECONDS=20); python bench/capture_overhead.py --from RAW"
-    result = result_from_raw(json.loads(raw_path.read_text()), measured_at, command)
+        command = (
+            "python scripts/gpu/capture_nvml_overhead.py RAW 15 (on the H200); "
+            "python bench/capture_overhead.py --from RAW"
+        )
+    result = result_from_raw(json.loads(raw_path.read_text()), measured_at, command, args.note)
     RESULT.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["figures"]))
     return 0
