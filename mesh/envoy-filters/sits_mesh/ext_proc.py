@@ -9,8 +9,10 @@ pressure answers UNAVAILABLE. Anything that goes wrong here fails open: Envoy is
 configured with `failure_mode_allow`, and an admitter that cannot answer admits
 (counted in `ProcessorCounters.fail_open`).
 
-The message classes come from `envoy-data-plane` (betterproto2); the server is
-grpc.aio with a generic handler, like every other SITS server.
+Responses are `envoy-data-plane` (betterproto2) messages, the common ones
+serialized once; requests are read by `ext_proc_wire`, which decodes only the
+fields used here. The server is grpc.aio with a generic handler, like every
+other SITS server.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import (
     GrpcStatus,
     HeadersResponse,
     ImmediateResponse,
-    ProcessingRequest,
     ProcessingResponse,
 )
 from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
@@ -54,6 +55,7 @@ from sits_mesh.admission import (
     shed_reason,
 )
 from sits_mesh.envoy_config import PRIORITY_METADATA
+from sits_mesh.ext_proc_wire import ExtProcRequest, Phase, decode_processing_request
 from sits_mesh.policy import MeshPolicy, PriorityName
 from sits_mesh.pressure import read_pressure
 
@@ -155,16 +157,6 @@ class ProcessorCounters:
             self.refusals.append(message)
 
 
-def _header(request: ProcessingRequest, name: str) -> str | None:
-    headers = request.request_headers.headers if request.request_headers else None
-    if headers is None:
-        return None
-    for header in headers.headers:
-        if header.key.lower() == name:
-            return header.value or header.raw_value.decode(errors="replace")
-    return None
-
-
 def _metadata_value(context: Any, name: str) -> str | None:
     for key, value in context.invocation_metadata() or ():
         if key == name:
@@ -230,7 +222,7 @@ class AdmissionProcessor:
             return fallback_verdict(query, self.policy.admission)
 
     async def process(
-        self, requests: AsyncIterator[ProcessingRequest], context: Any
+        self, requests: AsyncIterator[ExtProcRequest], context: Any
     ) -> AsyncIterator[ProcessingResponse | bytes]:
         self.counters.streams += 1
         # Without a header phase, the route names the priority in the stream's metadata.
@@ -239,9 +231,9 @@ class AdmissionProcessor:
         shed_checked = False
         body = bytearray()
         async for request in requests:
-            if request.request_headers is not None:
-                path = _header(request, ":path") or ""
-                priority = priority_of(_header(request, self.policy.priorities.header), self.policy.priorities)
+            if request.phase is Phase.REQUEST_HEADERS:
+                path = request.header(":path") or ""
+                priority = priority_of(request.header(self.policy.priorities.header), self.policy.priorities)
                 inspect = path.split("?", 1)[0] == self.policy.admission.generate_path
                 reason = shed_reason(priority, self.pressure.current(), self.policy.priorities)
                 shed_checked = True
@@ -254,8 +246,7 @@ class AdmissionProcessor:
                     self.counters.not_inspected += 1
                     decided = True
                 yield _continue_headers()
-            elif request.request_body is not None:
-                chunk = request.request_body
+            elif request.phase is Phase.REQUEST_BODY:
                 if decided:
                     yield _continue_body()
                     continue
@@ -267,7 +258,7 @@ class AdmissionProcessor:
                         SHED_REQUESTS.labels(priority=str(priority).upper(), reason="pressure").inc()
                         yield local_reply(GRPC_UNAVAILABLE, StatusCode.ServiceUnavailable, reason)
                         return
-                body += chunk.body
+                body += request.body
                 if len(body) > MAX_BODY_BYTES:
                     message = refusal_message(
                         Verdict(
@@ -279,7 +270,7 @@ class AdmissionProcessor:
                     SHED_REQUESTS.labels(priority=str(priority).upper(), reason="kv_admission").inc()
                     yield local_reply(GRPC_RESOURCE_EXHAUSTED, StatusCode.TooManyRequests, message)
                     return
-                if not (frame_complete(body) or chunk.end_of_stream):
+                if not (frame_complete(body) or request.end_of_stream):
                     yield _continue_body()
                     continue
                 decided = True
@@ -312,7 +303,7 @@ class AdmissionProcessor:
             {
                 "Process": grpc.stream_stream_rpc_method_handler(
                     self.process,
-                    request_deserializer=ProcessingRequest.FromString,
+                    request_deserializer=decode_processing_request,
                     response_serializer=_serialize,
                 )
             },
