@@ -15,6 +15,7 @@ from services.capture.service import CaptureService
 from services.capture.settings import CaptureSettings
 from services.capture.sources.base import Source
 from services.capture.sources.nvml import NvmlSource
+from services.capture.sources.nvml_reader import NvmlReader
 from services.capture.sources.replay import ReplaySource
 from services.capture.sources.vllm_grpc import VllmGrpcSource
 from services.capture.sources.vllm_metrics import VllmMetricsSource
@@ -39,6 +40,7 @@ def build_sources(settings: CaptureSettings) -> list[Source]:
         sources.append(
             NvmlSource(
                 hz=settings.nvml_hz,
+                reader=NvmlReader(include_processes=settings.nvml_processes),
                 host=settings.host_name,
                 # One capture per engine host: GPU samples are about the engine that runs there, so the
                 # decision sees memory and engine load in one window and names an engine it can act on.

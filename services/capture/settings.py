@@ -13,7 +13,9 @@ from sits.runtime.settings import Settings
 class CaptureSettings(Settings):
     nvml_enabled: bool = Field(True, description="Sample GPUs through NVML (reports 'unavailable' once without a GPU).")
     nvml_hz: float = Field(10.0, gt=0, le=100, description="NVML samples per second per GPU (at most 100).")
-    nvml_processes: bool = Field(True, description="Read per-process GPU memory with every NVML sample.")
+    nvml_processes: bool = Field(
+        True, description="Read per-process GPU memory (at most 10 times a second; samples in between repeat it)."
+    )
     vllm_grpc_addr: str = Field(
         "", description="vLLM gRPC server (GetLoads, SubscribeKvEvents), host:port; empty: off."
     )
