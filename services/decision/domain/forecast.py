@@ -16,8 +16,8 @@ Before `min_history_s` of buckets a trend is young: on a fresh target the
 first tooth of a slow sawtooth cannot be told from a ramp, so a young trend
 extrapolates no further ahead than half the history it has seen, and never
 more than `young_horizon_s`: it warns only when waiting for more history
-would leave too little time to act. Residual
-autocorrelation widens the errors, so a slow wave does not pass for a trend.
+would leave too little time to act. Residual autocorrelation widens the
+errors, so a slow wave does not pass for a trend.
 
 A fit counts when its slope is at least `min_t` standard errors above zero;
 the slope used is the lower confidence bound (slope − 2·se), so a noisy trend
