@@ -212,6 +212,9 @@ def command_to_pb(command: PlannedCommand, source: str = SOURCE) -> events_pb2.H
                 setattr(limits, name, _int(params, name))
         if "admission_paused" in params:
             limits.admission_paused = bool(params["admission_paused"])
+        factor = params.get("max_num_running_reqs_factor")
+        if isinstance(factor, int | float):
+            limits.max_num_running_reqs_factor = float(factor)
         message.engine_limits.CopyFrom(limits)
     elif kind is ActionKind.SHED_PRIORITY:
         message.breaker.CopyFrom(

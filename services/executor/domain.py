@@ -108,6 +108,10 @@ def merge_limits(current: Limits, change: events_pb2.EngineLimits) -> Limits:
 def limit_reasons(change: events_pb2.EngineLimits, info: EngineInfo | None) -> list[str]:
     """Why this limit change is out of range; empty when it is fine."""
     reasons: list[str] = []
+    if change.HasField("max_num_running_reqs_factor"):
+        factor = change.max_num_running_reqs_factor
+        if not 0.0 < factor <= 1.0:
+            reasons.append(f"max_num_running_reqs_factor must be in (0, 1], got {factor}")
     if change.HasField("max_num_running_reqs"):
         cap = change.max_num_running_reqs
         if cap < 1:
@@ -406,13 +410,19 @@ def is_stale(command: events_pb2.HealingCommand, now: float) -> bool:
     return now > deadline
 
 
-def limits_after(kind: int, current: Limits, command: events_pb2.HealingCommand) -> Limits:
-    """The engine limits a limits/pause/resume command asks for."""
+def limits_after(kind: int, current: Limits, command: events_pb2.HealingCommand, running: int = 0) -> Limits:
+    """The engine limits a limits/pause/resume command asks for; `running` resolves a cap factor."""
     if kind == ActionKind.ACTION_KIND_PAUSE_ADMISSION:
         return replace(current, admission_paused=True)
     if kind == ActionKind.ACTION_KIND_RESUME_ADMISSION:
         return replace(current, admission_paused=False)
-    return merge_limits(current, command.engine_limits)
+    change = command.engine_limits
+    limits = merge_limits(current, change)
+    if change.HasField("max_num_running_reqs_factor") and not change.HasField("max_num_running_reqs"):
+        base = running if running > 0 else current.max_num_running_reqs
+        cap = max(1, math.floor(base * change.max_num_running_reqs_factor))
+        limits = replace(limits, max_num_running_reqs=min(cap, current.max_num_running_reqs))
+    return limits
 
 
 @dataclass(frozen=True, slots=True)

@@ -249,7 +249,10 @@ class Executor:
         kind = int(command.kind)
         if kind in domain.ENGINE_KINDS:
             current = domain.merge_limits(_zero_limits(), before.engine_limits)
-            snapshot = await target.control.set_limits(domain.limits_after(kind, current, command))
+            running = 0
+            if command.engine_limits.HasField("max_num_running_reqs_factor"):
+                running = (await target.control.state()).running
+            snapshot = await target.control.set_limits(domain.limits_after(kind, current, command, running))
             if not snapshot.applied:
                 raise RuntimeError("the engine did not reach a step that applied the new limits in time")
             return ""

@@ -1,6 +1,7 @@
 import math
 import random
 
+from services.decision.convert import command_to_pb
 from services.decision.domain.admission import EngineProfile
 from services.decision.domain.engine import DecisionEngine
 from services.decision.domain.kv_model import known_model
@@ -41,6 +42,10 @@ def test_a_ramp_to_oom_is_warned_well_before_it(engine: DecisionEngine, clock: M
     assert 70.0 - t >= 2.0
     assert any(e.name == "time_to_limit_s" for e in first.evidence)
     assert first.deadline - first.issued_at == 5.0 and first.policy_version == 1
+    # No engine load was seen: the executor resolves the policy's 0.75 against the live engine.
+    assert first.params == {"max_num_running_reqs_factor": 0.75}
+    limits = command_to_pb(first).engine_limits
+    assert limits.max_num_running_reqs_factor == 0.75 and not limits.HasField("max_num_running_reqs")
 
 
 def test_noisy_plateau_and_sawtooth_below_the_limit_stay_quiet(policy: Policy) -> None:

@@ -37,9 +37,11 @@ def limits_command(**fields: Any) -> events_pb2.HealingCommand:
         ({"max_num_scheduled_tokens": 1024}, "max_num_batched_tokens 512"),
         ({"max_prefill_chunk_tokens": -1}, "max_prefill_chunk_tokens must be 0 (off) or positive"),
         ({"max_prefill_chunk_tokens": 64}, "at least one KV block (128)"),
+        ({"max_num_running_reqs_factor": 0.0}, "max_num_running_reqs_factor must be in (0, 1]"),
+        ({"max_num_running_reqs_factor": 1.5}, "max_num_running_reqs_factor must be in (0, 1]"),
     ],
 )
-def test_out_of_range_limits_have_a_reason(fields: dict[str, int], expected: str) -> None:
+def test_out_of_range_limits_have_a_reason(fields: dict[str, float], expected: str) -> None:
     reasons = domain.validate_command(limits_command(**fields), ["vllm-0"], INFO)
     assert any(expected in r for r in reasons), reasons
 
@@ -81,6 +83,21 @@ def test_merge_and_pause_resume_limits() -> None:
     paused = domain.limits_after(events_pb2.ACTION_KIND_PAUSE_ADMISSION, current, command(6))
     assert paused.admission_paused
     assert not domain.limits_after(events_pb2.ACTION_KIND_RESUME_ADMISSION, paused, command(7)).admission_paused
+
+
+def test_a_cap_factor_is_resolved_against_the_running_count_at_apply_time() -> None:
+    current = Limits(32, 512, 0, False)
+    kind = events_pb2.ACTION_KIND_SET_ENGINE_LIMITS
+    factor = limits_command(max_num_running_reqs_factor=0.75)
+    assert domain.validate_command(factor, ["vllm-0"], INFO) == []
+    assert domain.limits_after(kind, current, factor, running=10).max_num_running_reqs == 7
+    assert domain.limits_after(kind, current, factor, running=1).max_num_running_reqs == 1
+    # Nothing running: a fraction of the current cap, never above it.
+    assert domain.limits_after(kind, current, factor, running=0).max_num_running_reqs == 24
+    assert domain.limits_after(kind, Limits(4, 512, 0, False), factor, running=40).max_num_running_reqs == 4
+    # An absolute cap wins over the factor.
+    both = limits_command(max_num_running_reqs=5, max_num_running_reqs_factor=0.5)
+    assert domain.limits_after(kind, current, both, running=20).max_num_running_reqs == 5
 
 
 def setting(priority: int, state: int, max_requests: int = 0, ttl: int = 10) -> events_pb2.BreakerSetting:

@@ -408,6 +408,9 @@ class DecisionEngine:
                 running = engine.num_requests_running if engine is not None else 0
                 if running > 0:
                     params["max_num_running_reqs"] = max(1, math.floor(running * action.max_num_running_reqs_factor))
+                else:
+                    # No engine load seen here: the executor resolves the factor against the live engine.
+                    params["max_num_running_reqs_factor"] = action.max_num_running_reqs_factor
             for name in ("max_num_scheduled_tokens", "max_prefill_chunk_tokens", "admission_paused"):
                 value = getattr(action, name)
                 if value is not None:

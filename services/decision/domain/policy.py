@@ -118,7 +118,8 @@ class _Action(_Strict):
 class SetEngineLimits(_Action):
     kind: Literal["SET_ENGINE_LIMITS"]
     max_num_running_reqs: int | None = Field(default=None, ge=1, le=1_000_000)
-    # Relative to the requests running when the rule fires (at least 1).
+    # Relative to the requests running when the rule fires (at least 1); where the decision has seen no
+    # engine load, the executor resolves it against the live engine when it applies the command.
     max_num_running_reqs_factor: float | None = Field(default=None, gt=0.0, le=1.0)
     max_num_scheduled_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
     max_prefill_chunk_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
