@@ -163,34 +163,29 @@ async def test_grpc_api_authenticates_and_answers_invalid_argument_with_reasons(
         assert await engine_limits(engine) == before
 
 
-async def test_a_cap_factor_cuts_what_the_live_engine_is_running(
+async def test_a_cap_factor_is_resolved_and_applied_on_the_live_engine(
     engine_limits_restored: VllmServer, redis_url: str, redis_prefix: str
 ) -> None:
     engine = engine_limits_restored
     executor = make_executor(engine, redis_url, redis_prefix, Published())
     assert engine.control_address
-    # As many long streams as the engine has slots: they run together for seconds.
-    channel, tasks = await start_streams(engine.address, 32, prompt_len=16, max_tokens=480, prefix="p1-factor")
-    try:
-        async with EngineControlClient(engine.control_address, timeout_s=30.0) as control:
-            deadline = time.monotonic() + 60
-            while (running := (await control.state()).running) < 16:
-                assert time.monotonic() < deadline, f"only {running} streams ever ran together"
-                await asyncio.sleep(0.02)
-        command = healing_command(
-            events_pb2.ACTION_KIND_SET_ENGINE_LIMITS,
-            engine_limits=events_pb2.EngineLimits(max_num_running_reqs_factor=0.5),
-        )
-        result = await executor.handle(command)
-        assert result.status == APPLIED, result.detail
-        cap = result.after.engine_limits.max_num_running_reqs
-        # Half of what ran when the executor looked: at least `running` had started by then.
-        assert running // 2 <= cap <= 16, (running, cap)
-        assert (await engine_limits(engine)).max_num_running_reqs == cap
-    finally:
-        for task in tasks:
-            task.cancel()
-        await channel.close(grace=None)
+    async with EngineControlClient(engine.control_address) as control:
+        deadline = time.monotonic() + 30
+        while (state := await control.state()).running or state.waiting:
+            assert time.monotonic() < deadline, f"the engine never went idle: {state}"
+            await asyncio.sleep(0.05)
+    # Idle, the factor applies to the current cap (with streams running, to their count:
+    # tests/executor/test_domain.py); how many run at a moment is not something a test here can pin.
+    command = healing_command(
+        events_pb2.ACTION_KIND_SET_ENGINE_LIMITS,
+        engine_limits=events_pb2.EngineLimits(max_num_running_reqs_factor=0.5),
+    )
+    result = await executor.handle(command)
+    assert result.status == APPLIED, result.detail
+    expected = state.limits.max_num_running_reqs // 2
+    assert result.before.engine_limits.max_num_running_reqs == state.limits.max_num_running_reqs
+    assert result.after.engine_limits.max_num_running_reqs == expected
+    assert (await engine_limits(engine)).max_num_running_reqs == expected
 
 
 async def test_breakers_and_pressure_drive_a_real_envoy(
