@@ -97,19 +97,18 @@ class Trend:
     confidence: float
     envelope: float
     model: str
-    # Seconds of history behind the fit; below min_history_s the trend is "young".
-    history_s: float = 0.0
-    young: bool = False
-    young_horizon_s: float = math.inf
+    # How far ahead this trend may extrapolate: without limit once it has min_history_s
+    # behind it; while young, half the history it has seen and at most young_horizon_s.
+    reach_s: float = math.inf
 
     @staticmethod
     def flat(envelope: float = 0.0) -> Trend:
         return Trend(0.0, 0.0, 0.0, envelope, "none")
 
     def time_to_reach(self, level: float, limit: float, horizon_s: float) -> float | None:
-        """Seconds to `limit`; a young trend extrapolates no further ahead than it has seen behind."""
+        """Seconds to `limit`, or None when that is beyond the horizon or this trend's reach."""
         seconds = time_to_reach(level, limit, self.slope_lower, horizon_s)
-        if seconds is not None and self.young and seconds > min(YOUNG_REACH * self.history_s, self.young_horizon_s):
+        if seconds is not None and seconds > self.reach_s:
             return None
         return seconds
 
@@ -215,9 +214,9 @@ class EnvelopeTrend:
                             "short",
                         )
         history = self._ts[-1] - self._ts[0] + self.bucket_s
-        return replace(
-            best, history_s=history, young=history < self.min_history_s, young_horizon_s=self.young_horizon_s
-        )
+        if history >= self.min_history_s:
+            return best
+        return replace(best, reach_s=min(YOUNG_REACH * history, self.young_horizon_s))
 
 
 def _pooled(ts: list[float], ys: list[float], points: int) -> tuple[list[float], list[float]]:
