@@ -67,7 +67,10 @@ def _varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
 
 
 def _fields(data: bytes | memoryview) -> list[tuple[int, int, int | memoryview]]:
-    """(field number, wire type, value): an int for varints, a view for length-delimited fields."""
+    """(field number, wire type, value): an int for varints, a view for length-delimited fields.
+
+    Fixed-width fields are skipped (none of the fields read here is one).
+    """
     view = memoryview(data)
     out: list[tuple[int, int, int | memoryview]] = []
     pos, end = 0, len(view)
@@ -94,45 +97,35 @@ def _fields(data: bytes | memoryview) -> list[tuple[int, int, int | memoryview]]
     return out
 
 
+def _submessages(data: memoryview, number: int) -> list[memoryview]:
+    """Every length-delimited field `number` of a message (repeated fields give several)."""
+    return [v for n, _, v in _fields(data) if n == number and isinstance(v, memoryview)]
+
+
 def _headers(http_headers: memoryview) -> dict[str, str]:
     headers: dict[str, str] = {}
-    for number, wire_type, header_map in _fields(http_headers):
-        if number != _HEADER_MAP or wire_type != _LENGTH_DELIMITED:
-            continue
-        assert isinstance(header_map, memoryview)
-        for value_number, value_type, header_value in _fields(header_map):
-            if value_number != _HEADER_VALUE or value_type != _LENGTH_DELIMITED:
-                continue
-            assert isinstance(header_value, memoryview)
-            key = value = ""
-            raw = b""
-            for part_number, part_type, part in _fields(header_value):
-                if part_type != _LENGTH_DELIMITED:
-                    continue
-                assert isinstance(part, memoryview)
-                if part_number == _KEY:
-                    key = bytes(part).decode(errors="replace")
-                elif part_number == _VALUE:
-                    value = bytes(part).decode(errors="replace")
-                elif part_number == _RAW_VALUE:
-                    raw = bytes(part)
-            headers.setdefault(key.lower(), value or raw.decode(errors="replace"))
+    for header_map in _submessages(http_headers, _HEADER_MAP):
+        for header_value in _submessages(header_map, _HEADER_VALUE):
+            # HeaderValue's fields are all strings or bytes; the last of a repeated one wins.
+            parts = {n: bytes(v) for n, _, v in _fields(header_value) if isinstance(v, memoryview)}
+            key = parts.get(_KEY, b"").decode(errors="replace")
+            value = parts.get(_VALUE, b"") or parts.get(_RAW_VALUE, b"")
+            headers.setdefault(key.lower(), value.decode(errors="replace"))
     return headers
 
 
 def decode_processing_request(data: bytes) -> ExtProcRequest:
-    for number, wire_type, value in _fields(data):
-        if number == _REQUEST_HEADERS and wire_type == _LENGTH_DELIMITED:
-            assert isinstance(value, memoryview)
+    for number, _, value in _fields(data):
+        if not isinstance(value, memoryview):
+            continue
+        if number == _REQUEST_HEADERS:
             return ExtProcRequest(Phase.REQUEST_HEADERS, headers=_headers(value))
-        if number == _REQUEST_BODY and wire_type == _LENGTH_DELIMITED:
-            assert isinstance(value, memoryview)
+        if number == _REQUEST_BODY:
             body, end_of_stream = b"", False
-            for part_number, part_type, part in _fields(value):
-                if part_number == _BODY and part_type == _LENGTH_DELIMITED:
-                    assert isinstance(part, memoryview)
+            for part_number, _, part in _fields(value):
+                if part_number == _BODY and isinstance(part, memoryview):
                     body = bytes(part)
-                elif part_number == _END_OF_STREAM and part_type == _VARINT:
+                elif part_number == _END_OF_STREAM and isinstance(part, int):
                     end_of_stream = bool(part)
             return ExtProcRequest(Phase.REQUEST_BODY, body=body, end_of_stream=end_of_stream)
     return ExtProcRequest(Phase.OTHER)
