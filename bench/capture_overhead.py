@@ -30,13 +30,22 @@ def result_from_raw(raw: dict[str, object], measured_at: str, command: str, note
     return {
         "name": "capture_overhead",
         "measured_at": measured_at,
-        "machine": f"NVIDIA H200 ({raw['gpus']} GPU), device machine (gVisor)",
+        "machine": f"NVIDIA H200 ({raw['gpus']} GPU), device machine, kernel {raw.get('kernel', '?')}",
         "command": command,
         "figures": {
             "cpu_pct_per_gpu_10hz": round(runs["10hz"]["cpu_pct_per_gpu"], 3),
             "cpu_pct_per_gpu_100hz": round(runs["100hz"]["cpu_pct_per_gpu"], 3),
             "nvml_read_median_us": round(raw["read_all_gpus"]["median_us"], 1),  # type: ignore[index]
             "seconds_per_rate": raw["seconds_per_rate"],
+            **{
+                f"cpu_pct_first_gpu_only_{rate}": round(one["cpu_pct"], 3)
+                for rate, one in raw.get("runs_first_gpu_only", {}).items()  # type: ignore[attr-defined]
+            },
+            **(
+                {"v1_path_max_used_diff_mib": round(check["max_abs_used_diff_bytes"] / 2**20, 2)}
+                if (check := raw.get("v1_minus_reserved_vs_v2"))
+                else {}
+            ),
         },
         "baseline": {
             "asyncio_loop_without_nvml_cpu_pct_10hz": round(runs["10hz"]["baseline_loop_without_nvml"]["cpu_pct"], 3),

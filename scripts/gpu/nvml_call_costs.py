@@ -10,6 +10,7 @@ core over wall time, and the baseline with no NVML call at all.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import sys
 import threading
@@ -49,10 +50,15 @@ def main() -> int:
     hz = float(sys.argv[2]) if len(sys.argv) > 2 else 100.0
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    # The v1 call without pynvml's wrapper (struct made once, no version check): what is left is
+    # the driver call itself.
+    memory_v1_raw = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetMemoryInfo")
+    memory_struct = ctypes.byref(pynvml.c_nvmlMemory_t())
     variants: dict[str, Callable[[], object]] = {
         "nothing": lambda: None,
         "memory_v2": lambda: pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2),
         "memory_v1": lambda: pynvml.nvmlDeviceGetMemoryInfo(handle),
+        "memory_v1_without_wrapper": lambda: memory_v1_raw(handle, memory_struct),
         "utilization": lambda: pynvml.nvmlDeviceGetUtilizationRates(handle),
         "processes": lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(handle),
     }
