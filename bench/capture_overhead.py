@@ -19,12 +19,13 @@ import sys
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "bench" / "results" / "capture_overhead.json"
 
 
-def result_from_raw(raw: dict[str, object], measured_at: str, command: str, note: str = "") -> dict[str, object]:
+def result_from_raw(raw: dict[str, Any], measured_at: str, command: str, note: str = "") -> dict[str, object]:
     runs = raw["runs"]
     assert isinstance(runs, dict)
     return {
@@ -35,11 +36,11 @@ def result_from_raw(raw: dict[str, object], measured_at: str, command: str, note
         "figures": {
             "cpu_pct_per_gpu_10hz": round(runs["10hz"]["cpu_pct_per_gpu"], 3),
             "cpu_pct_per_gpu_100hz": round(runs["100hz"]["cpu_pct_per_gpu"], 3),
-            "nvml_read_median_us": round(raw["read_all_gpus"]["median_us"], 1),  # type: ignore[index]
+            "nvml_read_median_us": round(raw["read_all_gpus"]["median_us"], 1),
             "seconds_per_rate": raw["seconds_per_rate"],
             **{
                 f"cpu_pct_first_gpu_only_{rate}": round(one["cpu_pct"], 3)
-                for rate, one in raw.get("runs_first_gpu_only", {}).items()  # type: ignore[attr-defined]
+                for rate, one in raw.get("runs_first_gpu_only", {}).items()
             },
             **(
                 {"v1_path_max_used_diff_mib": round(check["max_abs_used_diff_bytes"] / 2**20, 2)}

@@ -14,9 +14,11 @@ behaviour): a coalesced sample counts as handled when its offset is committed.
 
 - samples_per_s: samples / (first sample handed to capture → last sample committed by the decision).
 - decision_lag_p50/p99_ms: published → handled, per sample (50 ms poll resolution, so up to 50 ms high).
-- baseline raw_broker_samples_per_s: a plain aiokafka producer (this process) and a plain aiokafka
-  consumer (a child process, partitions assigned) moving the same serialized samples, same keys, same
-  broker, same run: first send → last record read.
+- baselines: a plain aiokafka producer (this process) and a plain aiokafka consumer (a child process,
+  partitions assigned) moving the same samples, same keys, same broker, same run, first send → last
+  record read: raw_broker_packed_samples_per_s with the samples packed into MetricBatch records as
+  capture packs a full queue (the baseline of ratio_to_raw_broker), raw_broker_samples_per_s with one
+  sample per record.
 - decision_alone_samples_per_s: after each round a second decision process, in a new consumer group,
   works through the whole metrics topic from its start (the backlog it is built to coalesce); records
   per second from its first commit to its last, start-up and group join left out.
@@ -58,12 +60,18 @@ from aiokafka.admin import AIOKafkaAdminClient
 from google.protobuf.message import Message
 
 from bench.common import median, quantile, write_result
-from services.capture.publisher import CapturePublisher, TopicEnsuringProducer
+from services.capture.publisher import (
+    CAPTURE_PRODUCER_BATCH_BYTES,
+    MAX_SAMPLES_PER_RECORD,
+    CapturePublisher,
+    TopicEnsuringProducer,
+)
 from services.capture.service import CaptureService
+from services.capture.settings import CaptureSettings
 from services.capture.spool import Spool
 from sits.runtime.bus import ensure_topics
 from sits.runtime.clock import SystemClock
-from sits.runtime.events import Topics, target_key
+from sits.runtime.events import Topics, metric_batch, target_key
 from sits.runtime.settings import Settings
 from sits.stack.embedded import EmbeddedStack, StackConfig, wait_serving
 from sits.stack.procs import ManagedProcess, free_port
@@ -103,6 +111,11 @@ class Delivery:
     partition: int
     offset: int
     published: float
+    samples: int  # a MetricBatch record carries several
+
+
+def samples_in(message: Message) -> int:
+    return len(message.samples) if isinstance(message, events_pb2.MetricBatch) else 1
 
 
 class RecordingProducer:
@@ -121,12 +134,12 @@ class RecordingProducer:
     async def enqueue(self, topic: str, message: Message, *, traced: bool = True) -> asyncio.Future[Any]:
         published = time.perf_counter()
         future = await self._inner.enqueue(topic, message, traced=traced)
-        deliveries = self._deliveries
+        deliveries, samples = self._deliveries, samples_in(message)
 
         def delivered(done: asyncio.Future[Any]) -> None:
             if not done.cancelled() and done.exception() is None:
                 meta = done.result()
-                deliveries.append(Delivery(meta.partition, meta.offset, published))
+                deliveries.append(Delivery(meta.partition, meta.offset, published, samples))
 
         future.add_done_callback(delivered)
         return future
@@ -196,6 +209,7 @@ async def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str)
 @dataclass
 class RoundResult:
     samples_per_s: float
+    samples_per_record: float
     capture_samples_per_s: float
     lag_p50_ms: float
     lag_p99_ms: float
@@ -221,7 +235,7 @@ async def pipeline_round(
             await asyncio.sleep(0)  # a source yields to the loop between samples
     n = len(samples)
     await wait_until(lambda: publisher.stats.published - published_before >= n, 180, "capture publishing")
-    await wait_until(lambda: len(deliveries) >= n, 30, "delivery reports")
+    await wait_until(lambda: sum(d.samples for d in deliveries) >= n, 30, "delivery reports")
     captured = time.perf_counter()
     ends: dict[int, int] = {}
     for delivery in deliveries:
@@ -233,9 +247,10 @@ async def pipeline_round(
     cpu["capture_process"] = time.process_time() - process_before
     handled = handled_times(deliveries, [s for s in watch.snapshots if s[0] >= started])
     finished = max(handled)
-    lags = [(h - d.published) * 1000 for h, d in zip(handled, deliveries, strict=True)]
+    lags = [(h - d.published) * 1000 for h, d in zip(handled, deliveries, strict=True) for _ in range(d.samples)]
     return RoundResult(
         samples_per_s=n / (finished - started),
+        samples_per_record=n / len(deliveries),
         capture_samples_per_s=n / (captured - started),
         lag_p50_ms=quantile(lags, 0.5),
         lag_p99_ms=quantile(lags, 0.99),
@@ -266,7 +281,7 @@ async def raw_consumer(bootstrap: str, topic: str, count: int) -> None:
 
 
 async def raw_round(
-    settings: Settings, topic: str, payloads: list[tuple[bytes, bytes]], tansu_pid: int
+    settings: Settings, topic: str, payloads: list[tuple[bytes, bytes]], tansu_pid: int, max_batch_size: int = 16384
 ) -> tuple[float, dict[str, float]]:
     """Plain aiokafka producer (here) → consumer (a child process): records per second, CPU us per record."""
     await ensure_topics(settings, [topic])
@@ -284,7 +299,9 @@ async def raw_round(
         ready = await asyncio.wait_for(child.stdout.readline(), timeout=60)
         if not ready.startswith(b"ready"):
             raise RuntimeError(f"raw consumer did not start: {ready!r}")
-        producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all", linger_ms=5)
+        producer = AIOKafkaProducer(
+            bootstrap_servers=settings.kafka_bootstrap, acks="all", linger_ms=5, max_batch_size=max_batch_size
+        )
         await producer.start()
         try:
             tansu_before = cpu_seconds(tansu_pid)
@@ -309,6 +326,22 @@ async def raw_round(
         await child.wait()
 
 
+def packed_payloads(samples: list[events_pb2.MetricSample]) -> list[tuple[bytes, bytes]]:
+    """The samples as capture's publisher packs them when it finds them all queued: per window of
+    its batch size, each target's samples in MetricBatch records of at most MAX_SAMPLES_PER_RECORD."""
+    payloads = []
+    window = CaptureSettings().capture_publish_batch
+    for start in range(0, len(samples), window):
+        per_target: dict[str, list[events_pb2.MetricSample]] = {}
+        for sample in samples[start : start + window]:
+            per_target.setdefault(target_key(sample.meta.target), []).append(sample)
+        for key, group in per_target.items():
+            for first in range(0, len(group), MAX_SAMPLES_PER_RECORD):
+                batch = metric_batch(group[first : first + MAX_SAMPLES_PER_RECORD], "bench")
+                payloads.append((key.encode(), batch.SerializeToString()))
+    return payloads
+
+
 def top_functions(stats: pstats.Stats, count: int = 15) -> list[str]:
     """The functions with the most own time, as 'tottime_s cumtime_s calls file:line(name)'."""
     table = stats.stats  # type: ignore[attr-defined]
@@ -324,15 +357,19 @@ class ConfigResult:
     rounds: list[RoundResult] = field(default_factory=list)
     raw: list[float] = field(default_factory=list)
     raw_cpu: list[dict[str, float]] = field(default_factory=list)
+    raw_packed: list[float] = field(default_factory=list)  # samples/s
     drain: list[float] = field(default_factory=list)
     drain_cpu_us: list[float] = field(default_factory=list)
 
 
-async def decision_drain(stack: EmbeddedStack, topic: str, group: str, workdir: Path) -> tuple[float, float]:
+async def decision_drain(
+    stack: EmbeddedStack, topic: str, group: str, workdir: Path, samples_per_record: float
+) -> tuple[float, float]:
     """A second decision process, in a new group, works through the whole metrics topic from its start.
 
-    The decision alone, with the backlog it is built to coalesce: records per second and CPU us per
-    record, from its first commit to its last (its start-up and group join are left out).
+    The decision alone, with the backlog it is built to coalesce: samples per second and CPU us per
+    sample (records counted from the committed offsets, times the topic's samples per record), from
+    its first commit to its last (its start-up and group join are left out).
     """
     partitions = [TopicPartition(topic, p) for p in range(stack.settings.kafka_partitions)]
     reader = AIOKafkaConsumer(bootstrap_servers=stack.broker.bootstrap)
@@ -360,8 +397,8 @@ async def decision_drain(stack: EmbeddedStack, topic: str, group: str, workdir: 
         first_cpu = cpu_seconds(process.pid)
         await wait_until(lambda: all(watch.latest().get(p, -1) >= e for p, e in ends.items()), 180, "the drain")
         last_t, last = watch.snapshots[-1]
-        records = sum(last.values()) - sum(first.values())
-        return records / (last_t - first_t), (cpu_seconds(process.pid) - first_cpu) / records * 1e6
+        drained = (sum(last.values()) - sum(first.values())) * samples_per_record
+        return drained / (last_t - first_t), (cpu_seconds(process.pid) - first_cpu) / drained * 1e6
     finally:
         stop.set()
         await watching
@@ -420,16 +457,32 @@ async def run_config(
         assert broker_proc is not None
         pids = {"decision_process": decision_pid, "tansu": broker_proc.pid}
         try:
-            # The decision joins its group after it answers health checks: wait until it commits a warm-up.
-            for sample in make_samples(targets, targets, seed=1):
-                capture.ingest_sample(sample, "warmup")
-            await wait_until(lambda: sum(watch.latest().values()) >= targets, 120, "the decision joining")
+            # The decision joins its group after it answers health checks, and a group may rebalance once
+            # more while topics appear: warm up until a warm-up is committed within half a second.
+            topic_records = topic_samples = 0
+            for attempt in range(20):
+                deliveries.clear()
+                for sample in make_samples(targets, targets, seed=1 + attempt):
+                    capture.ingest_sample(sample, "warmup")
+                sent = time.perf_counter()
+                await wait_until(lambda: sum(d.samples for d in deliveries) >= targets, 60, "warm-up delivery")
+                await wait_until(
+                    lambda: all(watch.latest().get(d.partition, -1) > d.offset for d in deliveries),
+                    120,
+                    "the decision joining",
+                )
+                topic_records += len(deliveries)
+                topic_samples += targets
+                if time.perf_counter() - sent < 0.5:
+                    break
             for r in range(rounds):
                 samples = make_samples(count, targets, seed=100 + r)
                 capture_profile = cProfile.Profile() if profile_dir else None
                 if capture_profile:
                     capture_profile.enable()
                 outcome = await pipeline_round(capture, publisher, deliveries, watch, samples, pids)
+                topic_records += len(deliveries)
+                topic_samples += count
                 if capture_profile:
                     capture_profile.disable()
                     assert profile_dir is not None
@@ -439,19 +492,28 @@ async def run_config(
                     capture.stamper.stamp_sample(sample, "bench")
                     payloads.append((target_key(sample.meta.target).encode(), sample.SerializeToString()))
                 raw_rate, raw_cpu = await raw_round(settings, f"{prefix}raw{r}", payloads, broker_proc.pid)
+                packed = packed_payloads([events_pb2.MetricSample.FromString(value) for _key, value in payloads])
+                packed_records_per_s, _ = await raw_round(
+                    settings, f"{prefix}rawpacked{r}", packed, broker_proc.pid, CAPTURE_PRODUCER_BATCH_BYTES
+                )
                 result.rounds.append(outcome)
                 result.raw.append(raw_rate)
                 result.raw_cpu.append(raw_cpu)
-                drain_rate, drain_cpu = await decision_drain(stack, topics.metrics, f"drain{r}", workdir)
+                result.raw_packed.append(packed_records_per_s * count / len(packed))
+                drain_rate, drain_cpu = await decision_drain(
+                    stack, topics.metrics, f"drain{r}", workdir, topic_samples / topic_records
+                )
                 result.drain.append(drain_rate)
                 result.drain_cpu_us.append(drain_cpu)
                 cpu = ", ".join(f"{k} {v:.0f}" for k, v in outcome.cpu_us_per_sample.items())
                 raw_cpu_text = ", ".join(f"{k} {v:.0f}" for k, v in raw_cpu.items())
                 print(
                     f"[{label}] round {r}: pipeline {outcome.samples_per_s:.0f}/s "
-                    f"(capture alone {outcome.capture_samples_per_s:.0f}/s), "
+                    f"(capture alone {outcome.capture_samples_per_s:.0f}/s, "
+                    f"{outcome.samples_per_record:.1f} samples/record), "
                     f"lag p50 {outcome.lag_p50_ms:.0f} p99 {outcome.lag_p99_ms:.0f} ms; CPU us/sample: {cpu}; "
-                    f"raw broker {raw_rate:.0f}/s, CPU us/record: {raw_cpu_text}; decision alone (drain) "
+                    f"raw broker {raw_rate:.0f}/s, CPU us/record: {raw_cpu_text}; raw broker, packed records "
+                    f"{result.raw_packed[-1]:.0f} samples/s; decision alone (drain) "
                     f"{drain_rate:.0f}/s, {drain_cpu:.0f} us/record; load {os.getloadavg()[0]:.1f}",
                     flush=True,
                 )
@@ -473,8 +535,12 @@ def summary(result: ConfigResult) -> dict[str, Any]:
         "samples_per_s": round(rate),
         # Paired per round: a pipeline round and the raw baseline run right after it share the machine's load.
         "ratio_to_raw_broker": round(
+            median([r.samples_per_s / raw for r, raw in zip(result.rounds, result.raw_packed, strict=True)]), 3
+        ),
+        "ratio_to_raw_broker_one_sample_per_record": round(
             median([r.samples_per_s / raw for r, raw in zip(result.rounds, result.raw, strict=True)]), 3
         ),
+        "samples_per_record": round(median([r.samples_per_record for r in result.rounds]), 1),
         "decision_lag_p50_ms": round(median([r.lag_p50_ms for r in result.rounds]), 1),
         "decision_lag_p99_ms": round(median([r.lag_p99_ms for r in result.rounds]), 1),
         "capture_publish_samples_per_s": round(median([r.capture_samples_per_s for r in result.rounds])),
@@ -482,6 +548,7 @@ def summary(result: ConfigResult) -> dict[str, Any]:
         "decision_alone_samples_per_s": round(median(result.drain)),
         "decision_alone_cpu_us_per_sample": round(median(result.drain_cpu_us), 1),
         "raw_broker_samples_per_s": round(raw_rate),
+        "raw_broker_packed_samples_per_s": round(median(result.raw_packed)),
         "raw_cpu_us_per_record": {n: round(median([c[n] for c in result.raw_cpu]), 1) for n in raw_names},
     }
 
@@ -509,6 +576,7 @@ async def run(count: int, targets: int, rounds: int) -> None:
             "rounds": rounds,
         },
         baseline={
+            "raw_broker_packed_samples_per_s": main["raw_broker_packed_samples_per_s"],
             "raw_broker_samples_per_s": main["raw_broker_samples_per_s"],
             "raw_cpu_us_per_record": main["raw_cpu_us_per_record"],
         },
@@ -525,7 +593,10 @@ async def run(count: int, targets: int, rounds: int) -> None:
             "second decision process in a new group drains the whole metrics topic after each round (first commit "
             "to last). ratio_to_raw_broker pairs each round with the raw run right after it. Medians of the "
             f"rounds. Load average at the end (1/5/15 min): {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, other "
-            "helpers' tests sharing the 2 cores"
+            "helpers' tests sharing the 2 cores. Capture sends each target's queued samples as one MetricBatch "
+            "record (samples_per_record: the mean); raw_broker_packed_samples_per_s, the baseline of "
+            "ratio_to_raw_broker: the raw producer and consumer moving the same samples packed the same way, with "
+            "capture's producer batch size; raw_broker_samples_per_s: one sample per record (aiokafka defaults)"
         ),
         extra={"configurations": summaries},
     )

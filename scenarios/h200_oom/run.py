@@ -172,7 +172,7 @@ async def read_topics(bootstrap: str, topics: list[str], timeout_s: float = 5.0)
     from aiokafka import AIOKafkaConsumer, TopicPartition
     from google.protobuf.json_format import MessageToDict
 
-    from sits.runtime.events import decode_event
+    from sits.runtime.events import decode_events
 
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
     await consumer.start()
@@ -197,13 +197,14 @@ async def read_topics(bootstrap: str, topics: list[str], timeout_s: float = 5.0)
             for tp, records in batch.items():
                 for record in records:
                     try:
-                        message = decode_event(list(record.headers), record.value)
+                        messages = decode_events(list(record.headers), record.value)
                     except Exception as error:
                         found[tp.topic].append({"undecodable": str(error)})
                         continue
-                    item = MessageToDict(message, preserving_proto_field_name=True)
-                    item["_kafka_ts"] = record.timestamp / 1000.0
-                    found[tp.topic].append(item)
+                    for message in messages:
+                        item = MessageToDict(message, preserving_proto_field_name=True)
+                        item["_kafka_ts"] = record.timestamp / 1000.0
+                        found[tp.topic].append(item)
     finally:
         await consumer.stop()
     return found

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -43,21 +44,33 @@ def matches(selector: capture_pb2.TargetFilter | common_pb2.Target, target: comm
 # ---------------------------------------------------------------------------- stamping
 
 
+def counter_ids() -> Callable[[], str]:
+    """32 hex digits: 64 random bits drawn once, then a counter.
+
+    Unique across processes like a random id, at a third of the cost of drawing 128 bits per event
+    (capture stamps tens of thousands of samples a second).
+    """
+    prefix = os.urandom(8).hex()
+    counter = itertools.count(1)
+    return lambda: f"{prefix}{next(counter):016x}"
+
+
 class Stamper:
     """Stamps event ids, production time and a per-source monotonic sequence."""
 
-    def __init__(self, clock: Clock, new_id: Callable[[], str] = lambda: os.urandom(16).hex()) -> None:
+    def __init__(self, clock: Clock, new_id: Callable[[], str] | None = None) -> None:
         self._clock = clock
-        self._new_id = new_id
+        self._new_id = new_id or counter_ids()
         self._sequences: dict[str, int] = {}
 
     def stamp_sample(self, sample: events_pb2.MetricSample, source: str) -> events_pb2.MetricSample:
         sequence = self._sequences.get(source, 0) + 1
         self._sequences[source] = sequence
         sample.sequence = sequence
-        if not sample.meta.source:
-            sample.meta.source = f"capture/{source}"
-        self._stamp_meta(sample.meta)
+        meta = sample.meta
+        if not meta.source:
+            meta.source = f"capture/{source}"
+        self._stamp_meta(meta)
         return sample
 
     def stamp_oom(self, event: events_pb2.OomEvent) -> events_pb2.OomEvent:
@@ -68,7 +81,11 @@ class Stamper:
         if not meta.event_id:
             meta.event_id = self._new_id()
         if not meta.HasField("produced_at"):
-            meta.produced_at.FromNanoseconds(int(self._clock.now() * 1e9))
+            now = self._clock.now()
+            whole = int(now)
+            produced = meta.produced_at
+            produced.seconds = whole
+            produced.nanos = int((now - whole) * 1e9)
 
 
 # ---------------------------------------------------------------------------- latest state

@@ -3,7 +3,10 @@
 `submit()` never blocks and never raises: events wait in a bounded in-memory
 queue for the publishing task. That task sends them in batches through the
 runtime's `EventProducer` (keyed by target, CloudEvents headers, trace
-context). When the broker fails, the batch in hand and everything after it go
+context); the samples of one target in a batch travel as one `MetricBatch`
+record, so the more capture has queued, the less each sample costs the
+producer, the broker and every consumer, and a lone sample waits for no one.
+When the broker fails, the batch in hand and everything after it go
 to the spool, in order; a drain loop retries with backoff and, once the broker
 answers, publishes the spool oldest-first before new events flow directly
 again. OOM events are never dropped anywhere on this path.
@@ -17,7 +20,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from aiokafka.errors import KafkaError
 from google.protobuf.message import Message
@@ -26,10 +29,16 @@ from opentelemetry import context as otel_context
 from services.capture import metrics
 from services.capture.sources.base import Backoff, Sleep, default_sleep
 from services.capture.spool import RecordKind, Spool, SpoolRecord
-from sits.runtime.events import Topics, memory_fraction
+from sits.runtime.events import Topics, memory_fraction, metric_batch
 from sits.v1 import events_pb2
 
 log = logging.getLogger(__name__)
+
+# Enough that a record's fixed costs vanish per sample, small enough for the producer's 1 MiB
+# request limit (a sample is 150-400 bytes).
+MAX_SAMPLES_PER_RECORD = 512
+BATCH_SOURCE = "capture"
+CAPTURE_PRODUCER_BATCH_BYTES = 512 << 10
 
 
 class Producer(Protocol):
@@ -40,9 +49,9 @@ class Producer(Protocol):
     async def enqueue(self, topic: str, message: Message, *, traced: bool = True) -> asyncio.Future[Any]: ...
 
 
-@dataclass(frozen=True)
-class _Pending:
+class _Pending(NamedTuple):  # a tuple: one is made per sample
     kind: RecordKind
+    topic: str
     message: Message
     # The caller's trace context, kept for OOM events (one trace follows an OOM to its verdict);
     # None for samples, whose volume makes per-record context switching too costly.
@@ -65,7 +74,7 @@ class CapturePublisher:
         spool: Spool,
         topics: Topics,
         *,
-        batch_size: int = 512,
+        batch_size: int = 4096,
         queue_capacity: int = 50_000,
         sleep: Sleep = default_sleep,
         backoff: Backoff | None = None,
@@ -76,7 +85,7 @@ class CapturePublisher:
         self._trace_samples_above = trace_samples_above
         self._producer: Producer | None = None
         self._spool = spool
-        self._topics = topics
+        self._metrics_topic, self._oom_topic = topics.metrics, topics.oom
         self._batch_size = batch_size
         self._capacity = queue_capacity
         self._queue: deque[_Pending] = deque()
@@ -91,14 +100,16 @@ class CapturePublisher:
     # ------------------------------------------------------------------ intake
 
     def submit(self, event: events_pb2.MetricSample | events_pb2.OomEvent) -> None:
-        kind = RecordKind.OOM if isinstance(event, events_pb2.OomEvent) else RecordKind.METRIC
-        trace_context = otel_context.get_current() if kind is RecordKind.OOM else None
+        if isinstance(event, events_pb2.OomEvent):
+            pending = _Pending(RecordKind.OOM, self._oom_topic, event, otel_context.get_current())
+        else:
+            pending = _Pending(RecordKind.METRIC, self._metrics_topic, event, None)
         if len(self._queue) >= self._capacity:
             # The publisher cannot keep up: the disk takes the backlog (bounded there, OOMs kept),
             # all of it so that order holds.
-            self._to_spool([*self._take(len(self._queue)), _Pending(kind, event, trace_context)])
+            self._to_spool([*self._take(len(self._queue)), pending])
         else:
-            self._queue.append(_Pending(kind, event, trace_context))
+            self._queue.append(pending)
         self._wakeup.set()
 
     @property
@@ -142,7 +153,7 @@ class CapturePublisher:
 
     async def _publish_batch(self, batch: list[_Pending]) -> None:
         try:
-            await self._send([(self._topic(p.kind), p.message, p.trace_context) for p in batch])
+            await self._send(batch)
         except Exception as exc:
             self._went_offline(exc)
             self._to_spool(batch)  # possibly some were delivered: at least once
@@ -151,12 +162,12 @@ class CapturePublisher:
 
     async def _drain_once(self) -> None:
         records = self._spool.peek(self._batch_size)
-        messages: list[tuple[str, Message, otel_context.Context | None]] = []
+        pending: list[_Pending] = []
         for record in records:
             cls = events_pb2.OomEvent if record.kind is RecordKind.OOM else events_pb2.MetricSample
-            messages.append((record.topic, cls.FromString(record.payload), None))
+            pending.append(_Pending(record.kind, record.topic, cls.FromString(record.payload), None))
         try:
-            await self._send(messages)
+            await self._send(pending)
         except Exception as exc:
             self._went_offline(exc)
             await self._sleep(self._backoff.next_delay())
@@ -170,17 +181,43 @@ class CapturePublisher:
         """Trace OOM events, and samples under pressure: those are where an incident's trace starts.
 
         A calm sample gets no span: at tens of thousands a second the span would cost more than
-        publishing it.
+        publishing it. A batch is traced when one of its samples would be.
         """
-        if trace_context is not None or not isinstance(message, events_pb2.MetricSample):
+        if trace_context is not None:
             return True
-        fraction = memory_fraction(message)
+        if isinstance(message, events_pb2.MetricBatch):
+            return any(self._under_pressure(sample) for sample in message.samples)
+        return not isinstance(message, events_pb2.MetricSample) or self._under_pressure(message)
+
+    def _under_pressure(self, sample: events_pb2.MetricSample) -> bool:
+        fraction = memory_fraction(sample)
         return fraction is not None and fraction >= self._trace_samples_above
 
-    async def _send(self, messages: list[tuple[str, Message, otel_context.Context | None]]) -> None:
+    @staticmethod
+    def _packed(pending: list[_Pending]) -> list[tuple[str, Message, otel_context.Context | None]]:
+        """The same events, each target's samples (in order) packed into MetricBatch records."""
+        out: list[tuple[str, Message, otel_context.Context | None]] = []
+        per_target: dict[tuple[str, str, str, str, str], list[events_pb2.MetricSample]] = {}
+        for _kind, topic, message, trace_context in pending:
+            if trace_context is None and isinstance(message, events_pb2.MetricSample):
+                target = message.meta.target
+                key = (topic, target.host, target.gpu_uuid, target.mig_instance, target.engine)
+                samples = per_target.get(key)
+                if samples is None:
+                    per_target[key] = samples = []
+                samples.append(message)
+            else:
+                out.append((topic, message, trace_context))
+        for key, samples in per_target.items():
+            for start in range(0, len(samples), MAX_SAMPLES_PER_RECORD):
+                part = samples[start : start + MAX_SAMPLES_PER_RECORD]
+                out.append((key[0], part[0] if len(part) == 1 else metric_batch(part, BATCH_SOURCE), None))
+        return out
+
+    async def _send(self, pending: list[_Pending]) -> None:
         assert self._producer is not None
         futures: list[asyncio.Future[Any]] = []
-        for topic, message, trace_context in messages:
+        for topic, message, trace_context in self._packed(pending):
             token = otel_context.attach(trace_context) if trace_context is not None else None
             try:
                 futures.append(
@@ -198,9 +235,6 @@ class CapturePublisher:
                     otel_context.detach(token)
         if futures:
             await asyncio.wait_for(asyncio.gather(*futures), timeout=self._delivery_timeout_s)
-
-    def _topic(self, kind: RecordKind) -> str:
-        return self._topics.oom if kind is RecordKind.OOM else self._topics.metrics
 
     # ------------------------------------------------------------------ broker state
 
@@ -237,7 +271,7 @@ class CapturePublisher:
 
     def _to_spool(self, batch: list[_Pending]) -> None:
         for pending in batch:
-            record = SpoolRecord(pending.kind, self._topic(pending.kind), pending.message.SerializeToString())
+            record = SpoolRecord(pending.kind, pending.topic, pending.message.SerializeToString())
             dropped_before = self._spool.dropped_samples
             self._spool.append(record)
             metrics.SPOOLED.labels(kind=pending.kind.name.lower()).inc()
@@ -254,11 +288,15 @@ class CapturePublisher:
 class TopicEnsuringProducer:
     """The runtime's EventProducer, creating capture's topics first (a restarted broker may lack them)."""
 
-    def __init__(self, settings: Any, *, linger_ms: int = 5) -> None:
+    def __init__(
+        self, settings: Any, *, linger_ms: int = 5, max_batch_bytes: int = CAPTURE_PRODUCER_BATCH_BYTES
+    ) -> None:
         from sits.runtime.bus import EventProducer
 
         self._settings = settings
-        self._producer = EventProducer(settings, linger_ms=linger_ms)
+        # aiokafka keeps one produce request in flight per broker: with its default 16 KiB batches,
+        # a burst of MetricBatch records would take a round trip per 16 KiB per partition.
+        self._producer = EventProducer(settings, linger_ms=linger_ms, max_batch_bytes=max_batch_bytes)
 
     async def start(self) -> None:
         from sits.runtime.bus import ensure_topics

@@ -49,7 +49,9 @@ class CaptureSettings(Settings):
         256, ge=1, le=100_000, description="StreamSamples per-client buffer; a client this far behind is closed."
     )
     capture_max_targets: int = Field(4096, ge=1, description="Targets whose latest state GetSnapshot keeps.")
-    capture_publish_batch: int = Field(512, ge=1, le=100_000, description="Events per Kafka publishing batch.")
+    capture_publish_batch: int = Field(
+        4096, ge=1, le=100_000, description="Events per Kafka publishing batch (a target's samples share a record)."
+    )
     capture_trace_samples_above: float = Field(
         0.8,
         ge=0.0,

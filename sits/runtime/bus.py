@@ -9,8 +9,10 @@ decoded, has an unknown `ce_type` or a malformed header goes to the dead-letter
 topic with the reason in a header, and consumption continues. A handler that
 raises leaves its record uncommitted: the consumer seeks back and retries after
 a backoff, so a dependency outage (Redis, say) delays work and loses none.
-When a consumer lags, metric samples in one poll are coalesced per target
-(latest wins), so a burst costs one handler call per target, not per sample.
+A MetricBatch record reaches the handler as its samples, one by one (a retry
+replays the whole record; handlers are idempotent on event_id). When a consumer
+lags, metric samples in one poll are coalesced per target (latest wins), so a
+burst costs one handler call per target, not per sample.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from sits.runtime.events import (
     EnvelopeError,
     Topics,
     cloudevent_headers,
-    decode_event,
+    decode_events,
     header_value,
     meta_of,
     target_key,
@@ -76,13 +78,14 @@ async def ensure_topics(settings: Settings, topics: Sequence[str] | None = None)
 class EventProducer:
     """Publishes SITS events; an async context manager whose stop() is safe twice."""
 
-    def __init__(self, settings: Settings, *, linger_ms: int = 2) -> None:
+    def __init__(self, settings: Settings, *, linger_ms: int = 2, max_batch_bytes: int = 16384) -> None:
         self._settings = settings
         self._producer = AIOKafkaProducer(
             bootstrap_servers=settings.kafka_bootstrap,
             enable_idempotence=settings.kafka_enable_idempotence,
             acks="all",
             linger_ms=linger_ms,
+            max_batch_size=max_batch_bytes,
             request_timeout_ms=settings.kafka_request_timeout_ms,
         )
         self._started = False
@@ -276,9 +279,9 @@ class EventConsumer:
     async def _handle_partition(self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]]) -> None:
         decoded: list[tuple[ConsumerRecord[bytes, bytes], Message]] = []
         for record in records:
-            message = await self._decode_or_dead_letter(record)
-            if message is not None:
-                decoded.append((record, message))
+            messages = await self._decode_or_dead_letter(record)
+            if messages is not None:
+                decoded.extend((record, message) for message in messages)
         for record, message, folded in self._coalesced(decoded):
             event = ReceivedEvent(
                 topic=record.topic,
@@ -330,6 +333,11 @@ class EventConsumer:
 
     async def _handle_traced(self, event: ReceivedEvent) -> None:
         parent = extract_headers(event.headers)
+        if event.event_type in COALESCED_TYPES and not trace.get_current_span(parent).get_span_context().is_valid:
+            # Capture publishes calm samples without a trace: a root span for each would start a trace
+            # per sample and cost more than handling it.
+            await self._handle(event)
+            return
         token = otel_context.attach(parent)
         try:
             with tracer.start_as_current_span(
@@ -343,11 +351,14 @@ class EventConsumer:
                     "sits.event_type": event.event_type,
                 },
             ):
-                started = time.perf_counter()
-                await self._handler(event)
-                self._child(metrics.HANDLER_SECONDS, event.topic).observe(time.perf_counter() - started)
+                await self._handle(event)
         finally:
             otel_context.detach(token)
+
+    async def _handle(self, event: ReceivedEvent) -> None:
+        started = time.perf_counter()
+        await self._handler(event)
+        self._child(metrics.HANDLER_SECONDS, event.topic).observe(time.perf_counter() - started)
         self.stats.handled += 1
         self._child(metrics.EVENTS_IN, event.topic, event.event_type).inc()
 
@@ -359,13 +370,14 @@ class EventConsumer:
             child = self._metric_children[key] = metric.labels(*labels)
         return child
 
-    async def _decode_or_dead_letter(self, record: ConsumerRecord[bytes, bytes]) -> Message | None:
+    async def _decode_or_dead_letter(self, record: ConsumerRecord[bytes, bytes]) -> list[Message] | None:
+        """The record's events (a MetricBatch's samples, one by one), or None once it is dead-lettered."""
         headers = list(record.headers)
         try:
             traceparent = header_value(headers, "traceparent")
             if traceparent is not None and not is_valid_traceparent(traceparent):
                 raise EnvelopeError("malformed_header", f"malformed traceparent {traceparent!r}")
-            return decode_event(headers, record.value)
+            return decode_events(headers, record.value)
         except EnvelopeError as err:
             reason, category = str(err), err.category
         await self._dlq.forward_raw(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from google.protobuf import timestamp_pb2
@@ -26,6 +27,7 @@ EVENT_TYPES: dict[str, type[Message]] = {
     cls.DESCRIPTOR.full_name: cls
     for cls in (
         events_pb2.MetricSample,
+        events_pb2.MetricBatch,
         events_pb2.OomEvent,
         events_pb2.HealingCommand,
         events_pb2.ActionResult,
@@ -159,6 +161,38 @@ def decode_event(headers: list[tuple[str, bytes]] | tuple[tuple[str, bytes], ...
     if meta.event_id != ce_id:
         raise EnvelopeError("undecodable", f"ce_id {ce_id!r} does not match meta.event_id {meta.event_id!r}")
     return message
+
+
+def decode_events(
+    headers: list[tuple[str, bytes]] | tuple[tuple[str, bytes], ...], value: bytes | None
+) -> list[Message]:
+    """The events of one record: its message, or the samples of a MetricBatch, oldest first.
+
+    A batch holding a sample of another target is refused whole (EnvelopeError): its record key
+    would have put that sample in a partition whose consumer does not own the target's order.
+    """
+    message = decode_event(headers, value)
+    if not isinstance(message, events_pb2.MetricBatch):
+        return [message]
+    target = message.meta.target
+    for index, sample in enumerate(message.samples):
+        if sample.meta.target != target:
+            raise EnvelopeError(
+                "undecodable",
+                f"MetricBatch sample {index} is for {target_key(sample.meta.target)!r}, "
+                f"the batch for {target_key(target)!r}",
+            )
+    return list(message.samples)
+
+
+def metric_batch(samples: Sequence[events_pb2.MetricSample], source: str) -> events_pb2.MetricBatch:
+    """One record's worth of samples of one target (the first sample's), stamped as the last one."""
+    last = samples[-1].meta
+    batch = events_pb2.MetricBatch(meta=common_pb2.EventMeta(event_id=new_id(), source=source))
+    batch.meta.target.CopyFrom(samples[0].meta.target)
+    batch.meta.produced_at.CopyFrom(last.produced_at)
+    batch.samples.extend(samples)
+    return batch
 
 
 def new_meta(source: str, target: common_pb2.Target, now: float) -> common_pb2.EventMeta:

@@ -16,11 +16,12 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 from google.protobuf.message import Message
 
-from sits.runtime.events import EnvelopeError, decode_event
+from sits.runtime.events import EnvelopeError, decode_events
 
 
 class TopicTap:
-    """Calls `on_event(topic, message)` for each valid record on `topics`, from now on (or from the start)."""
+    """Calls `on_event(topic, message)` for each event on `topics` (a MetricBatch: each of its samples),
+    from now on (or from the start)."""
 
     def __init__(
         self,
@@ -65,11 +66,12 @@ class TopicTap:
             for records in batches.values():
                 for record in records:
                     try:
-                        message = decode_event(list(record.headers), record.value)
+                        messages = decode_events(list(record.headers), record.value)
                     except EnvelopeError:
                         self.undecodable += 1
                         continue
-                    self._on_event(record.topic, message)
+                    for message in messages:
+                        self._on_event(record.topic, message)
 
     async def stop(self) -> None:
         if self._task is not None:

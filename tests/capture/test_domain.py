@@ -10,6 +10,7 @@ from services.capture.domain import (
     LatestState,
     SegmentUsage,
     Stamper,
+    counter_ids,
     matches,
     plan_spool_compaction,
     validate_oom,
@@ -43,6 +44,15 @@ def test_stamper_sequences_per_source_and_keeps_given_ids() -> None:
     given_id = events_pb2.OomEvent()
     given_id.meta.event_id = "keep"
     assert stamper.stamp_oom(given_id).meta.event_id == "keep"
+
+
+def test_stamper_times_to_the_nanosecond_and_counter_ids_do_not_repeat() -> None:
+    stamper = Stamper(ManualClock(start=1_700_000_000.25))
+    stamped = [stamper.stamp_sample(events_pb2.MetricSample(), "nvml") for _ in range(3)]
+    assert stamped[0].meta.produced_at.ToNanoseconds() == 1_700_000_000_250_000_000
+    ids = [s.meta.event_id for s in stamped] + [counter_ids()() for _ in range(2)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
 
 
 def test_latest_state_merges_parts_and_is_bounded() -> None:

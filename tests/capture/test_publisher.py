@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from google.protobuf.message import Message
 
 from services.capture.publisher import CapturePublisher, TopicEnsuringProducer
 from services.capture.spool import Spool
-from sits.runtime.events import Topics
+from sits.runtime.events import Topics, decode_events
 from sits.runtime.settings import Settings
 from sits.stack.tansu import TansuBroker
 from sits.v1 import events_pb2
@@ -36,22 +37,29 @@ def oom(i: int) -> events_pb2.OomEvent:
     return e
 
 
-async def read_all(settings: Settings, topic: str, expected: int, timeout_s: float = 20.0) -> list[tuple[bytes, bytes]]:
+async def read_all(
+    settings: Settings, topic: str, expected: int, timeout_s: float = 20.0
+) -> list[tuple[bytes, list[Message]]]:
+    """(key, events) per record from the start, until `expected` events are in."""
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
         partitions = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or {0, 1})]
         consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
-        out: list[tuple[bytes, bytes]] = []
+        out: list[tuple[bytes, list[Message]]] = []
         deadline = time.monotonic() + timeout_s
-        while len(out) < expected and time.monotonic() < deadline:
+        while sum(len(events) for _k, events in out) < expected and time.monotonic() < deadline:
             batches = await consumer.getmany(timeout_ms=200)
             for records in batches.values():
-                out.extend((r.key or b"", r.value or b"") for r in records)
+                out.extend((r.key or b"", decode_events(r.headers, r.value)) for r in records)
         return out
     finally:
         await consumer.stop()
+
+
+def sequences_of(records: list[tuple[bytes, list[Message]]]) -> list[int]:
+    return [m.sequence for _k, events in records for m in events if isinstance(m, events_pb2.MetricSample)]
 
 
 @pytest.fixture
@@ -81,11 +89,25 @@ async def test_publishes_samples_and_ooms_keyed_by_target(
     running.submit(oom(1))
     await wait_for(lambda: running.stats.published == 51)
     metric_records = await read_all(settings, topics.metrics, 50)
-    assert len(metric_records) == 50
+    assert sorted(sequences_of(metric_records)) == list(range(50))
     assert {k for k, _ in metric_records} == {b"h/GPU-a//", b"h/GPU-b//"}
+    for key, events in metric_records:
+        assert {f"h/{m.meta.target.gpu_uuid}//".encode() for m in events} == {key}
     oom_records = await read_all(settings, topics.oom, 1)
-    assert events_pb2.OomEvent.FromString(oom_records[0][1]).meta.event_id == "o1"
+    assert [m.meta.event_id for m in oom_records[0][1]] == ["o1"]
     assert running.spool.pending == 0
+
+
+async def test_queued_samples_of_a_target_share_records_in_order(
+    running: CapturePublisher, settings: Settings, topics: Topics
+) -> None:
+    # Submitted without yielding to the loop: the publisher finds all of them queued at once.
+    for i in range(1200):
+        running.submit(sample(i))
+    await wait_for(lambda: running.stats.published == 1200)
+    records = await read_all(settings, topics.metrics, 1200)
+    assert [len(events) for _k, events in records] == [512, 512, 176]
+    assert sequences_of(records) == list(range(1200))
 
 
 async def test_outage_spools_and_drains_in_order(tmp_path: Path, topic_prefix: str) -> None:
@@ -114,13 +136,13 @@ async def test_outage_spools_and_drains_in_order(tmp_path: Path, topic_prefix: s
         publisher.submit(sample(41))
         await wait_for(lambda: publisher.stats.published >= 2)
         records = await read_all(settings, topics.metrics, 40)
-        sequences = [events_pb2.MetricSample.FromString(v).sequence for _k, v in records]
+        sequences = sequences_of(records)
         # In order, none lost; a batch caught by the outage may arrive twice (at least once).
         assert sorted(set(sequences)) == [*range(1, 40), 41]
         first_seen = list(dict.fromkeys(sequences))
         assert first_seen == sorted(first_seen)
         ooms = await read_all(settings, topics.oom, 1)
-        assert [events_pb2.OomEvent.FromString(v).meta.event_id for _k, v in ooms] == ["o40"]
+        assert [m.meta.event_id for _k, events in ooms for m in events] == ["o40"]
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)

@@ -29,7 +29,7 @@ from google.protobuf.message import Message
 
 from services.capture.traces import write_trace
 from sits.runtime.bus import EventProducer
-from sits.runtime.events import EnvelopeError, Topics, decode_event, header_value, new_meta
+from sits.runtime.events import EnvelopeError, Topics, decode_event, decode_events, header_value, new_meta
 from sits.runtime.redis import connect
 from sits.runtime.settings import Settings
 from sits.stack.embedded import EmbeddedStack, StackConfig
@@ -236,6 +236,13 @@ class Record:
             return decode_event(self.headers, self.value)
         except EnvelopeError:
             return None
+
+    def events(self) -> list[Message]:
+        """The record's events: its message, or a MetricBatch's samples (none when undecodable)."""
+        try:
+            return decode_events(self.headers, self.value)
+        except EnvelopeError:
+            return []
 
     def header(self, name: str) -> str | None:
         try:

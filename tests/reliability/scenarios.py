@@ -275,9 +275,9 @@ def _capture_sequences(records: list[h.Record]) -> list[int]:
     """Sequences of capture's own samples in topic order (one target: one partition, so this is its order)."""
     out = []
     for record in sorted(records, key=lambda r: (r.partition, r.offset)):
-        message = record.message()
-        if isinstance(message, events_pb2.MetricSample) and message.meta.source.startswith("capture/"):
-            out.append(message.sequence)
+        for message in record.events():
+            if isinstance(message, events_pb2.MetricSample) and message.meta.source.startswith("capture/"):
+                out.append(message.sequence)
     return out
 
 

@@ -10,10 +10,20 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics
-from sits.runtime.events import DLQ_REASON_HEADER, Topics, cloudevent_headers, decode_event, new_meta
+from sits.runtime.events import (
+    DLQ_REASON_HEADER,
+    EnvelopeError,
+    Topics,
+    cloudevent_headers,
+    decode_event,
+    decode_events,
+    metric_batch,
+    new_meta,
+)
 from sits.runtime.settings import Settings
 from sits.v1 import common_pb2, events_pb2
 from tests.waiting import eventually
@@ -131,6 +141,48 @@ async def test_bad_records_go_to_dead_letters_and_consumption_continues(settings
     assert any("malformed traceparent" in r for r in reasons)
     assert any("ce_specversion" in r for r in reasons)
     assert all(dict(r.headers)["sits_dlq_topic"] in (topics.metrics.encode(), topics.oom.encode()) for r in letters)
+
+
+def test_a_batch_decodes_into_its_samples_and_a_foreign_sample_refuses_it() -> None:
+    samples = [sample(seq) for seq in range(3)]
+    batch = metric_batch(samples, "test")
+    assert batch.meta.target == samples[0].meta.target
+    assert decode_events(cloudevent_headers(batch), batch.SerializeToString()) == samples
+    mixed = metric_batch([*samples, sample(3, engine="other")], "test")
+    with pytest.raises(EnvelopeError, match="sample 3 is for 'h/GPU-1//other', the batch for 'h/GPU-1//vllm-0'"):
+        decode_events(cloudevent_headers(mixed), mixed.SerializeToString())
+
+
+async def test_batch_records_reach_the_handler_as_samples_in_order(settings: Settings, topics: Topics) -> None:
+    await ensure_topics(settings)
+    first = metric_batch([sample(seq) for seq in range(5)], "test")
+    mixed = metric_batch([sample(5), sample(6, engine="other")], "test")
+    handled: list[int] = []
+    done = asyncio.Event()
+
+    async def handle(event: ReceivedEvent) -> None:
+        assert isinstance(event.message, events_pb2.MetricSample)
+        handled.append(event.message.sequence)
+        if event.message.sequence == 7:
+            done.set()
+
+    async with EventProducer(settings) as producer:
+        for message in (first, mixed, sample(7)):
+            await producer.publish(topics.metrics, message)
+        consumer = EventConsumer(
+            settings,
+            group_id=f"{topics.prefix}g",
+            topics=[topics.metrics],
+            handler=handle,
+            dead_letters=producer,
+            coalesce=False,
+        )
+        async with consumer:
+            await consume_until(consumer, done)
+    assert handled == [0, 1, 2, 3, 4, 7]
+    assert consumer.stats.dead_lettered == 1
+    (letter,) = await read_all(settings, topics.deadletter, 1)
+    assert b"MetricBatch sample 1 is for 'h/GPU-1//other'" in dict(letter.headers)[DLQ_REASON_HEADER]
 
 
 async def test_lagging_consumer_coalesces_samples_per_target(settings: Settings, topics: Topics) -> None:
