@@ -19,19 +19,17 @@ import contextlib
 import ctypes
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
-@dataclass(frozen=True)
-class ProcessReading:
+class ProcessReading(NamedTuple):
     pid: int
     used_bytes: int
     name: str
 
 
-@dataclass(frozen=True)
-class GpuReading:
-    index: int
+class GpuReading(NamedTuple):  # a tuple: made once per GPU per tick, up to 100 times a second
+    gpu_index: int
     gpu_uuid: str
     mig_instance: str  # MIG instance UUID, or "" for the whole GPU
     used_bytes: int
@@ -160,7 +158,7 @@ class NvmlReader:
             memory = self._memory_v1(handle) if self._memory_v1 else nvml.nvmlDeviceGetMemoryInfo(handle)
             used = max(0, int(memory.used) - cached.reserved_bytes)
         return GpuReading(
-            index=index,
+            gpu_index=index,
             gpu_uuid=uuid,
             mig_instance=mig,
             used_bytes=used,

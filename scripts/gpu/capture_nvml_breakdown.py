@@ -1,0 +1,113 @@
+"""H200: where capture's NVML sampling CPU goes at 100 Hz (issue 3's unexplained share).
+
+Usage: python scripts/gpu/capture_nvml_breakdown.py OUT_JSON [seconds] [hz]
+
+Each variant runs for `seconds` and reports CPU % of one core; the thread variants count only
+the sampling thread's own CPU (`time.thread_time`):
+
+- `thread_sleep_only`: the sampling thread's loop with no work (the wake-up floor);
+- `thread_read`: + `NvmlReader.read` with details every 10th tick (as NvmlSource);
+- `thread_read_convert`: + `reading_to_sample` (protobuf) for each reading;
+- `source`: the real `NvmlSource` consumed on an asyncio loop, split into its sampling thread and
+  the rest of the process (loop wake-ups, deliveries, the consumer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from services.capture.sources.nvml import NvmlSource, reading_to_sample
+from services.capture.sources.nvml_reader import NvmlReader
+
+
+def thread_loop(work: Callable[[int], object], hz: float, seconds: float) -> float:
+    out: dict[str, float] = {}
+
+    def loop() -> None:
+        cpu0, wall0 = time.thread_time(), time.monotonic()
+        period, tick, next_tick = 1.0 / hz, 0, time.monotonic()
+        while time.monotonic() - wall0 < seconds:
+            work(tick)
+            tick += 1
+            next_tick += period
+            now = time.monotonic()
+            next_tick = max(next_tick, now)
+            time.sleep(next_tick - now)
+        out["pct"] = 100.0 * (time.thread_time() - cpu0) / (time.monotonic() - wall0)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    thread.join()
+    return out["pct"]
+
+
+class TimedSource(NvmlSource):
+    thread_cpu_s = 0.0
+
+    def _sample_until(self, *args: Any) -> None:
+        started = time.thread_time()
+        try:
+            super()._sample_until(*args)
+        finally:
+            self.thread_cpu_s = time.thread_time() - started
+
+
+def source_split(hz: float, seconds: float) -> dict[str, float]:
+    source = TimedSource(hz=hz, reader=NvmlReader())
+
+    async def run() -> None:
+        async def consume() -> None:
+            async for _sample in source.events():
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(seconds)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    asyncio.run(run())
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    return {
+        "process_pct": 100.0 * cpu / wall,
+        "sampling_thread_pct": 100.0 * source.thread_cpu_s / wall,
+        "rest_of_process_pct": 100.0 * (cpu - source.thread_cpu_s) / wall,
+    }
+
+
+def main() -> int:
+    out_path = Path(sys.argv[1])
+    seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 15.0
+    hz = float(sys.argv[3]) if len(sys.argv) > 3 else 100.0
+    details_every = 10
+    reader = NvmlReader()
+    reader.open()
+    result: dict[str, Any] = {"hz": hz, "seconds": seconds, "gpus": reader.gpu_count}
+    result["thread_sleep_only"] = thread_loop(lambda tick: None, hz, seconds)
+    result["thread_read"] = thread_loop(lambda tick: reader.read(details=tick % details_every == 0), hz, seconds)
+
+    def read_convert(tick: int) -> None:
+        for reading in reader.read(details=tick % details_every == 0):
+            reading_to_sample(reading, host="h200")
+
+    result["thread_read_convert"] = thread_loop(read_convert, hz, seconds)
+    reader.close()
+    result["source"] = source_split(hz, seconds)
+    print(json.dumps(result, indent=2))
+    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
