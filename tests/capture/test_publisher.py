@@ -15,6 +15,7 @@ from services.capture.publisher import CapturePublisher, TopicEnsuringProducer
 from services.capture.spool import Spool
 from sits.runtime.events import Topics, decode_events
 from sits.runtime.settings import Settings
+from sits.runtime.tracing import setup_tracing
 from sits.stack.tansu import TansuBroker
 from sits.v1 import events_pb2
 
@@ -108,6 +109,37 @@ async def test_queued_samples_of_a_target_share_records_in_order(
     records = await read_all(settings, topics.metrics, 1200)
     assert [len(events) for _k, events in records] == [512, 512, 176]
     assert sequences_of(records) == list(range(1200))
+
+
+async def test_a_batch_is_traced_when_one_of_its_samples_is_under_pressure(
+    running: CapturePublisher, settings: Settings, topics: Topics
+) -> None:
+    setup_tracing("sits-tests")  # a recording provider: otherwise no span context reaches the headers
+    for i in range(3):
+        calm = sample(i, gpu="GPU-calm")
+        calm.gpu.total_bytes = 100
+        pressed = sample(10 + i, gpu="GPU-pressed")
+        pressed.gpu.total_bytes = 100
+        pressed.gpu.used_bytes = 95 if i == 1 else 50  # one sample of three above the 80% threshold
+        running.submit(calm)
+        running.submit(pressed)
+    await wait_for(lambda: running.stats.published == 6)
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        partitions = [TopicPartition(topics.metrics, p) for p in consumer.partitions_for_topic(topics.metrics) or {0}]
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        traced: dict[bytes, bool] = {}
+        deadline = time.monotonic() + 20
+        while len(traced) < 2 and time.monotonic() < deadline:
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                for r in records:
+                    assert r.key is not None and dict(r.headers)["ce_type"] == b"sits.v1.MetricBatch"
+                    traced[r.key] = "traceparent" in dict(r.headers)
+    finally:
+        await consumer.stop()
+    assert traced == {b"h/GPU-calm//": False, b"h/GPU-pressed//": True}
 
 
 async def test_outage_spools_and_drains_in_order(tmp_path: Path, topic_prefix: str) -> None:
