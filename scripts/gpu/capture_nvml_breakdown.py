@@ -14,11 +14,8 @@ the sampling thread's own CPU (`time.thread_time`):
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,29 +23,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from scripts.gpu.capture_nvml_overhead import consume_source, thread_loop
 from services.capture.sources.nvml import NvmlSource, reading_to_sample
 from services.capture.sources.nvml_reader import NvmlReader
 
 
-def thread_loop(work: Callable[[int], object], hz: float, seconds: float) -> float:
-    out: dict[str, float] = {}
-
-    def loop() -> None:
-        cpu0, wall0 = time.thread_time(), time.monotonic()
-        period, tick, next_tick = 1.0 / hz, 0, time.monotonic()
-        while time.monotonic() - wall0 < seconds:
-            work(tick)
-            tick += 1
-            next_tick += period
-            now = time.monotonic()
-            next_tick = max(next_tick, now)
-            time.sleep(next_tick - now)
-        out["pct"] = 100.0 * (time.thread_time() - cpu0) / (time.monotonic() - wall0)
-
-    thread = threading.Thread(target=loop)
-    thread.start()
-    thread.join()
-    return out["pct"]
+def thread_pct(work: Callable[[int], object], hz: float, seconds: float) -> float:
+    run = thread_loop(work, hz, seconds)
+    return 100.0 * float(run["cpu_s"]) / float(run["wall_s"])
 
 
 class TimedSource(NvmlSource):
@@ -64,21 +46,8 @@ class TimedSource(NvmlSource):
 
 def source_split(hz: float, seconds: float) -> dict[str, float]:
     source = TimedSource(hz=hz, reader=NvmlReader())
-
-    async def run() -> None:
-        async def consume() -> None:
-            async for _sample in source.events():
-                pass
-
-        task = asyncio.create_task(consume())
-        await asyncio.sleep(seconds)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    cpu0, wall0 = time.process_time(), time.monotonic()
-    asyncio.run(run())
-    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    run = consume_source(source, seconds)
+    cpu, wall = run["cpu_s"], run["wall_s"]
     return {
         "process_pct": 100.0 * cpu / wall,
         "sampling_thread_pct": 100.0 * source.thread_cpu_s / wall,
@@ -94,14 +63,14 @@ def main() -> int:
     reader = NvmlReader()
     reader.open()
     result: dict[str, Any] = {"hz": hz, "seconds": seconds, "gpus": reader.gpu_count}
-    result["thread_sleep_only"] = thread_loop(lambda tick: None, hz, seconds)
-    result["thread_read"] = thread_loop(lambda tick: reader.read(details=tick % details_every == 0), hz, seconds)
+    result["thread_sleep_only"] = thread_pct(lambda tick: None, hz, seconds)
+    result["thread_read"] = thread_pct(lambda tick: reader.read(details=tick % details_every == 0), hz, seconds)
 
     def read_convert(tick: int) -> None:
         for reading in reader.read(details=tick % details_every == 0):
             reading_to_sample(reading, host="h200")
 
-    result["thread_read_convert"] = thread_loop(read_convert, hz, seconds)
+    result["thread_read_convert"] = thread_pct(read_convert, hz, seconds)
     reader.close()
     result["source"] = source_split(hz, seconds)
     print(json.dumps(result, indent=2))

@@ -25,6 +25,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,18 +66,8 @@ def v1_path_check(samples: int = 200) -> dict[str, Any]:
     return {"samples": samples, "max_abs_used_diff_bytes": max(diffs), "reserved_bytes": int(v2.reserved)}
 
 
-def run_source(hz: float, seconds: float, *, with_nvml: bool, first_gpu_only: bool = False) -> dict[str, Any]:
-    from services.capture.sources.nvml import NvmlSource
-
-    class NullReader(NvmlReader):
-        def open(self) -> None:
-            pass
-
-        def read(self, details: bool = True) -> list[Any]:
-            return []
-
-    reader = (FirstGpuReader() if first_gpu_only else NvmlReader()) if with_nvml else NullReader()
-    source = NvmlSource(hz=hz, reader=reader)
+def consume_source(source: Any, seconds: float) -> dict[str, Any]:
+    """Consume `source.events()` on an asyncio loop for `seconds`: process CPU, wall time, samples."""
 
     async def consume() -> int:
         count = 0
@@ -93,13 +84,27 @@ def run_source(hz: float, seconds: float, *, with_nvml: bool, first_gpu_only: bo
         try:
             return await task
         except asyncio.CancelledError:
-            return source.samples_taken
+            return int(source.samples_taken)
 
     cpu0, wall0 = time.process_time(), time.monotonic()
     end = wall0 + seconds
     samples = asyncio.run(driver())
     cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
     return {"cpu_s": cpu, "wall_s": wall, "samples": samples}
+
+
+def run_source(hz: float, seconds: float, *, with_nvml: bool, first_gpu_only: bool = False) -> dict[str, Any]:
+    from services.capture.sources.nvml import NvmlSource
+
+    class NullReader(NvmlReader):
+        def open(self) -> None:
+            pass
+
+        def read(self, details: bool = True) -> list[Any]:
+            return []
+
+    reader = (FirstGpuReader() if first_gpu_only else NvmlReader()) if with_nvml else NullReader()
+    return consume_source(NvmlSource(hz=hz, reader=reader), seconds)
 
 
 def run_on_loop(hz: float, seconds: float) -> dict[str, Any]:
@@ -131,24 +136,34 @@ def run_on_loop(hz: float, seconds: float) -> dict[str, Any]:
     return {"cpu_s": cpu, "wall_s": wall, "samples": samples, "cpu_pct_per_gpu": 100.0 * cpu / wall / gpus}
 
 
-def run_reader_thread(hz: float, seconds: float) -> dict[str, Any]:
-    reader = NvmlReader()
-    reader.open()
+def thread_loop(work: Callable[[int], object], hz: float, seconds: float) -> dict[str, Any]:
+    """`work(tick)` in a thread at `hz` for `seconds`, paced as NvmlSource paces its sampling thread
+    (a missed tick is skipped, not burst): the thread's own CPU, wall time and ticks."""
     out: dict[str, Any] = {}
 
     def loop() -> None:
         cpu0, wall0 = time.thread_time(), time.monotonic()
-        next_tick, n = wall0, 0
+        period, tick, next_tick = 1.0 / hz, 0, wall0
         while time.monotonic() - wall0 < seconds:
-            reader.read(details=n % max(1, round(hz / 10)) == 0)  # as NvmlSource: details 10x/s
-            n += 1
-            next_tick += 1.0 / hz
-            time.sleep(max(0.0, next_tick - time.monotonic()))
-        out.update(cpu_s=time.thread_time() - cpu0, wall_s=time.monotonic() - wall0, samples=n)
+            work(tick)
+            tick += 1
+            next_tick += period
+            now = time.monotonic()
+            next_tick = max(next_tick, now)
+            time.sleep(next_tick - now)
+        out.update(cpu_s=time.thread_time() - cpu0, wall_s=time.monotonic() - wall0, samples=tick)
 
     thread = threading.Thread(target=loop)
     thread.start()
     thread.join()
+    return out
+
+
+def run_reader_thread(hz: float, seconds: float) -> dict[str, Any]:
+    reader = NvmlReader()
+    reader.open()
+    details_every = max(1, round(hz / 10))  # as NvmlSource: details 10x/s
+    out = thread_loop(lambda tick: reader.read(details=tick % details_every == 0), hz, seconds)
     reader.close()
     return out
 

@@ -35,6 +35,11 @@ DETAILS_PER_S = 10.0
 _JOIN_TIMEOUT_S = 2.0
 
 
+def _next_tick(scheduled: float, period: float, now: float) -> float:
+    """The next sampling instant; when sampling fell behind, the missed ticks are skipped, not burst."""
+    return max(scheduled + period, now)
+
+
 def reading_to_sample(
     reading: GpuReading, *, host: str, engine_pids: frozenset[int] = frozenset(), engine: str = ""
 ) -> events_pb2.MetricSample:
@@ -109,10 +114,8 @@ class NvmlSource:
         while True:
             for sample in self._take(details=True):
                 yield sample
-            next_tick += period
             now = self._monotonic()
-            if next_tick < now:  # fell behind: skip ticks instead of bursting
-                next_tick = now
+            next_tick = _next_tick(next_tick, period, now)
             await asyncio.sleep(next_tick - now)
 
     async def _sample_in_thread(self) -> AsyncIterator[events_pb2.MetricSample]:
@@ -168,7 +171,5 @@ class NvmlSource:
                     return
                 batch, last_delivery = [], now
             tick += 1
-            next_tick += period
-            if next_tick < now:  # fell behind: skip ticks instead of bursting
-                next_tick = now
+            next_tick = _next_tick(next_tick, period, now)
             time.sleep(next_tick - now)
