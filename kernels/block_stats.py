@@ -6,7 +6,9 @@ One launch (``StatsLaunchConfig.fused``, the default) with three kinds of progra
 apart by program id:
 
 - *row programs* stream the block table (the bulk of the bytes): they count the valid
-  entries of each sequence and mark every referenced block id in a ``used`` map;
+  entries of each sequence and mark every referenced block id in a ``used`` map. By
+  default there are only as many as fit on the GPU at once, each looping over rows
+  (``StatsLaunchConfig.one_wave``);
 - *free programs* mark the ids of the free list in a ``free`` map;
 - *scan programs* (the highest ids) each summarise one chunk of the maps: the free runs
   as soon as the free programs are done (while the table still streams), the used
@@ -30,12 +32,13 @@ keeps the two-launch form (marking, then scanning), which needs no such argument
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import check_device, normalize_device
+from kernels._launch import check_device, interpreting, normalize_device
 
 # Layout of the int64 result vector written by the last scan program.
 _RES_USED, _RES_FREE, _RES_BOTH, _RES_NEITHER, _RES_LARGEST_RUN, _RES_FREE_RUNS = range(6)
@@ -242,6 +245,7 @@ def _stats_kernel(
     summary_ptr,
     sync_ptr,
     result_ptr,
+    num_row_groups,
     num_row_programs,
     num_mark_programs,
     num_chunks,
@@ -256,21 +260,22 @@ def _stats_kernel(
 ):
     pid = tl.program_id(0)
     if pid < num_row_programs:
-        _mark_rows(
-            table_ptr,
-            row_stride,
-            lens_ptr,
-            num_rows,
-            num_cols,
-            num_blocks,
-            used_mark_ptr,
-            blocks_per_seq_ptr,
-            pid,
-            HAS_LENS,
-            EVEN,
-            ROWS,
-            COLS,
-        )
+        for group in range(pid, num_row_groups, num_row_programs):
+            _mark_rows(
+                table_ptr,
+                row_stride,
+                lens_ptr,
+                num_rows,
+                num_cols,
+                num_blocks,
+                used_mark_ptr,
+                blocks_per_seq_ptr,
+                group,
+                HAS_LENS,
+                EVEN,
+                ROWS,
+                COLS,
+            )
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + _SYNC_ROWS, 1, sem="release", scope="gpu")
     elif pid < num_mark_programs:
@@ -300,6 +305,7 @@ def _mark_kernel(
     used_mark_ptr,
     free_mark_ptr,
     blocks_per_seq_ptr,
+    num_row_groups,
     num_row_programs,
     HAS_LENS: tl.constexpr,
     EVEN: tl.constexpr,
@@ -309,21 +315,22 @@ def _mark_kernel(
 ):
     pid = tl.program_id(0)
     if pid < num_row_programs:
-        _mark_rows(
-            table_ptr,
-            row_stride,
-            lens_ptr,
-            num_rows,
-            num_cols,
-            num_blocks,
-            used_mark_ptr,
-            blocks_per_seq_ptr,
-            pid,
-            HAS_LENS,
-            EVEN,
-            ROWS,
-            COLS,
-        )
+        for group in range(pid, num_row_groups, num_row_programs):
+            _mark_rows(
+                table_ptr,
+                row_stride,
+                lens_ptr,
+                num_rows,
+                num_cols,
+                num_blocks,
+                used_mark_ptr,
+                blocks_per_seq_ptr,
+                group,
+                HAS_LENS,
+                EVEN,
+                ROWS,
+                COLS,
+            )
     else:
         _mark_free(free_ptr, num_free, num_blocks, free_mark_ptr, pid - num_row_programs, FREE_BLOCK)
 
@@ -408,13 +415,16 @@ class BlockStatsDevice:
 @dataclass(frozen=True)
 class StatsLaunchConfig:
     rows: int = 1  # table rows per row program
-    cols: int = 4096  # columns per loop step
+    cols: int = 2048  # columns per loop step
     free_block: int = 1024
     chunk: int = 1024
     mark_warps: int = 8  # the fused launch's warps too
     scan_warps: int = 4  # two-launch form only
     fused: bool = True
     poll_with_load: bool = False  # fused: scan programs poll the counters with loads, not atomics
+    one_wave: bool = True  # row programs loop over row groups, as many as fit on the GPU at once
+    max_row_programs: int | None = None  # at most this many row programs (CPU tests use it for the loop)
+    maxnreg: int | None = None  # registers per thread at most: more programs fit on an SM
 
 
 class BlockStatsWorkspace:
@@ -437,6 +447,49 @@ class BlockStatsWorkspace:
         """Back to a clean state after a launch was interrupted (a kernel error, say)."""
         for buffer in (self.used_mark, self.free_mark, self.summary, self.sync):
             buffer.zero_()
+
+
+# Programs of one compiled statistics kernel that fit on one SM at once, by device and
+# compile options: the register count is known only once the kernel is compiled.
+_resident_per_sm: dict[tuple[Any, ...], int] = {}
+
+
+def _row_programs(
+    cfg: StatsLaunchConfig,
+    row_groups: int,
+    other_programs: int,
+    device: torch.device,
+    kernel: Any,
+    args: list[Any],
+    options: dict[str, Any],
+) -> int:
+    """How many row programs to launch: one per row group, or (``cfg.one_wave``) as many as
+    fit on the GPU at once beside the launch's other programs, each looping over groups.
+
+    One wave matters because each row program ends with a dependent chain (reduce, store,
+    fence, signal) of a few microseconds; a launch of more programs than fit pays that
+    chain once per wave, which dominated a 1024-row table."""
+    programs = row_groups
+    if cfg.max_row_programs is not None:
+        programs = min(programs, cfg.max_row_programs)
+    if not cfg.one_wave or interpreting():
+        return max(1, programs)
+    key = (device, kernel.fn.__name__, tuple(sorted((k, str(v)) for k, v in options.items())))
+    per_sm = _resident_per_sm.get(key)
+    if per_sm is None:
+        compiled = kernel.warmup(*args, grid=(1,), **options)
+        compiled._init_handles()
+        per_sm = _programs_per_sm(compiled.n_regs, int(options["num_warps"]))
+        _resident_per_sm[key] = per_sm
+    slots = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(programs, slots - other_programs))
+
+
+def _programs_per_sm(regs_per_thread: int, warps: int) -> int:
+    """Resident programs per SM of a Hopper-class GPU, limited by registers and threads."""
+    regs_per_warp = -(-regs_per_thread * 32 // 256) * 256  # allocated 256 registers at a time
+    warps_by_regs = 65536 // regs_per_warp
+    return max(1, min(warps_by_regs // warps, 64 // warps, 32))
 
 
 def _check_int32(name: str, tensor: torch.Tensor, ndim: int, device: torch.device) -> None:
@@ -485,62 +538,53 @@ def block_stats_async(
     elif out.blocks_per_seq.shape != (num_rows,) or out.totals.shape != (_RESULT_LEN,):
         raise ValueError("out tensors do not match the block table")
     blocks_per_seq, totals = out.blocks_per_seq, out.totals
-    row_programs = triton.cdiv(num_rows, cfg.rows)
-    mark_programs = row_programs + triton.cdiv(free_block_ids.shape[0], cfg.free_block)
+    row_groups = triton.cdiv(num_rows, cfg.rows)
+    free_programs = triton.cdiv(free_block_ids.shape[0], cfg.free_block)
     lens = num_blocks_per_seq if num_blocks_per_seq is not None else blocks_per_seq
     has_lens = num_blocks_per_seq is not None
     even = num_rows % cfg.rows == 0 and num_cols % cfg.cols == 0
+    marking_args = [
+        block_table,
+        block_table.stride(0),
+        lens,
+        num_rows,
+        num_cols,
+        free_block_ids,
+        free_block_ids.shape[0],
+        workspace.num_blocks,
+        workspace.used_mark,
+        workspace.free_mark,
+        blocks_per_seq,
+    ]
+    marking_options: dict[str, Any] = dict(
+        HAS_LENS=has_lens, EVEN=even, ROWS=cfg.rows, COLS=cfg.cols, FREE_BLOCK=cfg.free_block, num_warps=cfg.mark_warps
+    )
+    if cfg.maxnreg is not None and not interpreting():
+        marking_options["maxnreg"] = cfg.maxnreg
     if cfg.fused:
+        fused_args = [workspace.summary, workspace.sync, totals, row_groups]
+        fused_options = dict(
+            marking_options, CHUNK=cfg.chunk, MAX_CHUNKS=workspace.max_chunks, POLL_WITH_LOAD=cfg.poll_with_load
+        )
+        row_programs = _row_programs(
+            cfg,
+            row_groups,
+            free_programs + workspace.num_chunks,
+            device,
+            _stats_kernel,
+            [*marking_args, *fused_args, row_groups, row_groups + free_programs, workspace.num_chunks],
+            fused_options,
+        )
+        mark_programs = row_programs + free_programs
         _stats_kernel[(mark_programs + workspace.num_chunks,)](
-            block_table,
-            block_table.stride(0),
-            lens,
-            num_rows,
-            num_cols,
-            free_block_ids,
-            free_block_ids.shape[0],
-            workspace.num_blocks,
-            workspace.used_mark,
-            workspace.free_mark,
-            blocks_per_seq,
-            workspace.summary,
-            workspace.sync,
-            totals,
-            row_programs,
-            mark_programs,
-            workspace.num_chunks,
-            HAS_LENS=has_lens,
-            EVEN=even,
-            ROWS=cfg.rows,
-            COLS=cfg.cols,
-            FREE_BLOCK=cfg.free_block,
-            CHUNK=cfg.chunk,
-            MAX_CHUNKS=workspace.max_chunks,
-            POLL_WITH_LOAD=cfg.poll_with_load,
-            num_warps=cfg.mark_warps,
+            *marking_args, *fused_args, row_programs, mark_programs, workspace.num_chunks, **fused_options
         )
         return out
-    if mark_programs > 0:
-        _mark_kernel[(mark_programs,)](
-            block_table,
-            block_table.stride(0),
-            lens,
-            num_rows,
-            num_cols,
-            free_block_ids,
-            free_block_ids.shape[0],
-            workspace.num_blocks,
-            workspace.used_mark,
-            workspace.free_mark,
-            blocks_per_seq,
-            row_programs,
-            HAS_LENS=has_lens,
-            EVEN=even,
-            ROWS=cfg.rows,
-            COLS=cfg.cols,
-            FREE_BLOCK=cfg.free_block,
-            num_warps=cfg.mark_warps,
-        )
+    row_programs = _row_programs(
+        cfg, row_groups, free_programs, device, _mark_kernel, [*marking_args, row_groups, row_groups], marking_options
+    )
+    if row_programs + free_programs > 0:
+        _mark_kernel[(row_programs + free_programs,)](*marking_args, row_groups, row_programs, **marking_options)
     _scan_kernel[(workspace.num_chunks,)](
         workspace.used_mark,
         workspace.free_mark,

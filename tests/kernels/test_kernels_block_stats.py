@@ -9,14 +9,17 @@ import torch
 
 from kernels import BlockStatsDevice, BlockStatsWorkspace, StatsLaunchConfig, block_stats, block_stats_async
 from kernels._launch import is_interpreted
-from kernels.block_stats import _mark_kernel, _scan_kernel, _stats_kernel
+from kernels.block_stats import _mark_kernel, _programs_per_sm, _scan_kernel, _stats_kernel
 from kernels.reference import block_stats_reference
 
 POISON = -123_456_789
 # Small chunks so that a few hundred blocks already span many chunks of the scan.
-SMALL = StatsLaunchConfig(rows=2, cols=16, free_block=32, chunk=32)
-TWO_LAUNCHES = StatsLaunchConfig(rows=2, cols=16, free_block=32, chunk=32, fused=False)
+SMALL = StatsLaunchConfig(rows=2, cols=16, free_block=32, chunk=32, one_wave=False)
+TWO_LAUNCHES = StatsLaunchConfig(rows=2, cols=16, free_block=32, chunk=32, fused=False, one_wave=False)
 POLL_WITH_LOAD = StatsLaunchConfig(rows=2, cols=16, free_block=32, chunk=32, poll_with_load=True)
+# Fewer row programs than row groups: each program loops over several groups.
+LOOPING = StatsLaunchConfig(rows=2, cols=16, free_block=32, chunk=32, max_row_programs=2)
+LOOPING_TWO_LAUNCHES = StatsLaunchConfig(rows=2, cols=16, free_block=32, chunk=32, max_row_programs=2, fused=False)
 
 
 @pytest.fixture
@@ -58,13 +61,17 @@ def test_kernels_run_in_triton_interpreter() -> None:
     assert all(is_interpreted(k) for k in (_mark_kernel, _scan_kernel, _stats_kernel))
 
 
-@pytest.mark.parametrize("config", [SMALL, TWO_LAUNCHES], ids=["fused", "two-launches"])
+@pytest.mark.parametrize(
+    "config",
+    [SMALL, TWO_LAUNCHES, LOOPING, LOOPING_TWO_LAUNCHES],
+    ids=["fused", "two-launches", "looping", "looping-two-launches"],
+)
 @pytest.mark.parametrize("case", range(4))
 @pytest.mark.parametrize("with_lens", [False, True])
 def test_block_stats_match_reference(case: int, with_lens: bool, config: StatsLaunchConfig, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     num_blocks = int(torch.randint(200, 700, (1,), generator=gen))
-    num_seqs = int(torch.randint(1, 9, (1,), generator=gen))
+    num_seqs = int(torch.randint(1, 12, (1,), generator=gen))
     table, lens, free = make_pool(
         gen, num_blocks, num_seqs, max_cols=40, share=case % 2 == 0, free_fraction=[1.0, 0.9, 0.5, 0.97][case]
     )
@@ -96,7 +103,9 @@ def test_all_free_pool_is_one_run() -> None:
     assert got.blocks_per_seq == (0, 0, 0)
 
 
-@pytest.mark.parametrize("config", [SMALL, TWO_LAUNCHES, POLL_WITH_LOAD], ids=["fused", "two-launches", "poll-load"])
+@pytest.mark.parametrize(
+    "config", [SMALL, TWO_LAUNCHES, POLL_WITH_LOAD, LOOPING], ids=["fused", "two-launches", "poll-load", "looping"]
+)
 def test_workspace_reuse_forgets_previous_call(config: StatsLaunchConfig, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     workspace = BlockStatsWorkspace(300, "cpu", config)
@@ -107,6 +116,14 @@ def test_workspace_reuse_forgets_previous_call(config: StatsLaunchConfig, seed: 
         # Nothing carried to the next call: maps cleared by the scan, counters reset.
         assert not workspace.used_mark.any() and not workspace.free_mark.any()
         assert workspace.sync.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("regs", "warps", "programs"), [(64, 8, 4), (72, 8, 3), (35, 8, 6), (32, 8, 8), (16, 4, 16), (255, 8, 1)]
+)
+def test_programs_per_sm_follows_register_allocation(regs: int, warps: int, programs: int) -> None:
+    # 64K registers per SM, allocated per warp in units of 256; at most 64 warps per SM.
+    assert _programs_per_sm(regs, warps) == programs
 
 
 def test_out_of_range_ids_and_duplicates_are_ignored() -> None:

@@ -101,14 +101,26 @@ def random_pool(
     return table, lens, free
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_block_stats_graph_replays_on_new_contents(fused: bool, seed: int) -> None:
+# The default (one wave), the two-launch form, one program per row, a register cap, and
+# launches capped at 100 row programs so that each loops over several rows.
+STATS_CONFIGS = {
+    "default": StatsLaunchConfig(),
+    "two-launches": StatsLaunchConfig(fused=False),
+    "program-per-row-c4096": StatsLaunchConfig(one_wave=False, cols=4096),
+    "one-wave-c1024-reg32": StatsLaunchConfig(cols=1024, maxnreg=32),
+    "looping-100": StatsLaunchConfig(max_row_programs=100),
+    "looping-100-two-launches": StatsLaunchConfig(max_row_programs=100, fused=False),
+}
+
+
+@pytest.mark.parametrize("config", STATS_CONFIGS.values(), ids=STATS_CONFIGS.keys())
+def test_block_stats_graph_replays_on_new_contents(config: StatsLaunchConfig, seed: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     num_blocks, rows, cols = LLAMA_70B_140GB_BLOCKS, 512, 2048
     table, _, first_free = random_pool(gen, num_blocks, rows, cols)
     free = torch.full((num_blocks,), -1, device="cuda", dtype=torch.int32)  # -1: no entry
     free[: first_free.numel()] = first_free
-    ws = BlockStatsWorkspace(num_blocks, "cuda", StatsLaunchConfig(fused=fused))
+    ws = BlockStatsWorkspace(num_blocks, "cuda", config)
     out = BlockStatsDevice.empty(num_blocks, rows, "cuda")
     block_stats_async(table, free, ws, out=out)  # compile outside the capture
     torch.cuda.synchronize()
@@ -127,14 +139,15 @@ def test_block_stats_graph_replays_on_new_contents(fused: bool, seed: int) -> No
         assert out.to_host() == block_stats_reference(table, free, num_blocks), f"seed {seed}"
 
 
+@pytest.mark.parametrize("config", STATS_CONFIGS.values(), ids=STATS_CONFIGS.keys())
 @pytest.mark.parametrize("with_lens", [False, True])
-def test_block_stats_on_gpu_at_pool_size(with_lens: bool, seed: int) -> None:
+def test_block_stats_on_gpu_at_pool_size(with_lens: bool, config: StatsLaunchConfig, seed: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     num_blocks, rows, cols = LLAMA_70B_140GB_BLOCKS, 512, 2048
     table, lens, free = random_pool(gen, num_blocks, rows, cols)
     if with_lens:
         table = table.clamp(min=0)
-    ws = BlockStatsWorkspace(num_blocks, "cuda")
+    ws = BlockStatsWorkspace(num_blocks, "cuda", config)
     for _ in range(3):  # reuse: the maps must be cleared, the counters reset
         out = BlockStatsDevice.empty(num_blocks, rows, "cuda")
         out.totals.fill_(-99)
