@@ -70,6 +70,33 @@ def test_a_fresh_target_warns_on_a_ramp_but_not_on_its_first_sawtooth_tooth(poli
     assert 12.5 - commands[0][0] >= 2.0, commands[0]
 
 
+def test_a_few_big_steps_to_oom_are_warned_before_the_last_one(policy: Policy) -> None:
+    # 30 s calm at 59%, then +8.8% every 6 s: 94.6% after the fourth step, OOM at the fifth (t = 60 s).
+    # Too few steps for a straight line to pass for a trend.
+    rng = random.Random(5)
+    series = [0.59 + 0.088 * (0 if i < 300 else 1 + (i - 300) // 60) + rng.gauss(0, 0.002) for i in range(600)]
+    clock = ManualClock(1_000_000.0)
+    commands = _run(DecisionEngine(policy, clock), clock, series)
+    assert commands, "no warning on a staircase to OOM"
+    assert 60.0 - commands[0][0] >= 2.0, commands[0]
+
+
+def test_a_fresh_target_waits_out_a_slow_first_tooth_but_not_a_real_climb(policy: Policy) -> None:
+    # From the first sample: a tooth of +3.8%/s up to 85% that then falls back, over and over.
+    tooth = [0.585 + 0.038 * ((i / 10) % 7.0) for i in range(3000)]
+    clock = ManualClock(1_000_000.0)
+    assert _run(DecisionEngine(policy, clock), clock, tooth) == []
+    # Calm at 33% for 6 s, then a climb that speeds up from 10%/s: 100% near t = 11.3 s.
+    climb = [
+        0.33 if i < 60 else min(1.0, 0.33 + 0.1 * (i - 60) / 10 + 0.004 * ((i - 60) / 10) ** 2) for i in range(120)
+    ]
+    full = next(i / 10 for i, v in enumerate(climb) if v >= 1.0)
+    clock = ManualClock(1_000_000.0)
+    commands = _run(DecisionEngine(policy, clock), clock, climb)
+    assert commands, "no warning on a fresh climb to OOM"
+    assert full - commands[0][0] >= 2.0, (full, commands[0])
+
+
 def test_cooldown_and_hysteresis_stop_flapping(engine: DecisionEngine, clock: ManualClock) -> None:
     kv = [0.95, 0.91, 0.95, 0.91] * 50  # hovers around the 92% threshold, inside the 3% hysteresis
     fired = []

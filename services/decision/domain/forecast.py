@@ -12,17 +12,33 @@ over the bucket maxima, both in fractions of the device:
   climbs on every tooth, but never above them) and is still climbing in its
   last half (a single step up is steep across the window but flat at its end).
 
+A third, step-aware trend reads a staircase: the envelope jumps, dwells,
+jumps again (allocations in whole chunks: a batch of long prompts, an
+adapter, a graph capture). A staircase is a ramp with an irregular beat, but
+its residuals from a line follow each other, so the long fit (rightly, for a
+slow wave) distrusts it and sees it only after many steps; a few big steps
+can reach the limit first. A step counts while memory holds it (a noise
+spike falls back, a free ends the staircase), and the staircase trend needs
+`min_steps` of them: one step is a model load, not a trend.
+
 Before `min_history_s` of buckets a trend is young: on a fresh target the
 first tooth of a slow sawtooth cannot be told from a ramp, so a young trend
 extrapolates no further ahead than half the history it has seen, and never
 more than `young_horizon_s`: it warns only when waiting for more history
-would leave too little time to act. Residual autocorrelation widens the
-errors, so a slow wave does not pass for a trend.
+would leave too little time to act. That is a question about the latest safe
+moment, so a young trend answers it with the fastest slope its data allow
+(slope + 2·se): with the lower bound, a noisy real climb would look slower,
+and so less urgent, than a clean sawtooth tooth. A first tooth so steep that
+a ramp going on from its peak would fill the device within that time still
+warns: until it falls, nothing in its samples tells it from that ramp.
+Residual autocorrelation widens the errors, so a slow wave does not pass for
+a trend.
 
 A fit counts when its slope is at least `min_t` standard errors above zero;
-the slope used is the lower confidence bound (slope − 2·se), so a noisy trend
-predicts later rather than sooner. Fitting happens once per bucket, not per
-sample: the per-sample cost is a comparison and a division.
+once a trend has its history, the slope used is the lower confidence bound
+(slope − 2·se), so a noisy trend predicts later rather than sooner. Fitting
+happens once per bucket, not per sample: the per-sample cost is a comparison
+and a division.
 """
 
 from __future__ import annotations
@@ -36,6 +52,9 @@ from itertools import pairwise
 LONG_FIT_POINTS = 40
 # How far ahead a young trend may extrapolate, as a share of the history it has seen.
 YOUNG_REACH = 0.5
+# A rise between buckets counts as a step when it is this many sample noises: the bucket
+# maxima of plain noise differ by well under that, a whole allocation by more.
+STEP_NOISE = 6.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +113,7 @@ class Trend:
 
     slope: float
     slope_lower: float
+    slope_upper: float
     confidence: float
     envelope: float
     model: str
@@ -103,11 +123,20 @@ class Trend:
 
     @staticmethod
     def flat(envelope: float = 0.0) -> Trend:
-        return Trend(0.0, 0.0, 0.0, envelope, "none")
+        return Trend(0.0, 0.0, 0.0, 0.0, envelope, "none")
+
+    @property
+    def young(self) -> bool:
+        return self.reach_s != math.inf
 
     def time_to_reach(self, level: float, limit: float, horizon_s: float) -> float | None:
-        """Seconds to `limit`, or None when that is beyond the horizon or this trend's reach."""
-        seconds = time_to_reach(level, limit, self.slope_lower, horizon_s)
+        """Seconds to `limit`, or None when that is beyond the horizon or this trend's reach.
+
+        A trend with its history predicts with its lower slope; a young one only says whether
+        the limit could be within its reach at its upper slope (the latest safe moment).
+        """
+        slope = self.slope_upper if self.young else self.slope_lower
+        seconds = time_to_reach(level, limit, slope, horizon_s)
         if seconds is not None and seconds > self.reach_s:
             return None
         return seconds
@@ -124,16 +153,20 @@ class EnvelopeTrend:
         min_buckets: int = 4,
         min_t: float = 4.0,
         new_high_margin: float = 0.002,
+        min_steps: int = 3,
         min_history_s: float = 0.0,
         young_horizon_s: float = math.inf,
     ) -> None:
         if bucket_s <= 0 or window_s < bucket_s * min_buckets:
             raise ValueError("the window must hold at least min_buckets buckets")
+        if min_steps < 2:
+            raise ValueError("a staircase needs at least two steps")
         self.bucket_s = bucket_s
         self.short_buckets = short_buckets
         self.min_buckets = min_buckets
         self.min_t = min_t
         self.new_high_margin = new_high_margin
+        self.min_steps = min_steps
         self.min_history_s = min_history_s
         self.young_horizon_s = young_horizon_s
         self._max_buckets = max(min_buckets, int(window_s / bucket_s))
@@ -192,9 +225,10 @@ class EnvelopeTrend:
         long_t = long_fit.t_stat()
         if long_t >= self.min_t:
             lower = max(0.0, long_fit.slope - 2.0 * long_fit.slope_se)
-            best = Trend(long_fit.slope, lower, _confidence(long_t, n, self.min_buckets), envelope, "long")
+            upper = long_fit.slope + 2.0 * long_fit.slope_se
+            best = Trend(long_fit.slope, lower, upper, _confidence(long_t, n, self.min_buckets), envelope, "long")
+        noise = difference_noise(ys[-(LONG_FIT_POINTS + 1) :])
         if n > self.short_buckets:
-            noise = difference_noise(ys[-(LONG_FIT_POINTS + 1) :])
             previous_high = max(ys[: -self.short_buckets // 2])
             margin = max(self.new_high_margin, 3.0 * noise)
             if envelope >= previous_high + margin:
@@ -209,14 +243,59 @@ class EnvelopeTrend:
                         best = Trend(
                             short.slope,
                             lower,
+                            short.slope + 2.0 * short.slope_se,
                             _confidence(short.t_stat(), short.points, self.min_buckets),
                             envelope,
                             "short",
                         )
+        stairs = staircase(ts, ys, max(self.new_high_margin, STEP_NOISE * noise), self.bucket_s, self.min_steps)
+        if stairs is not None and stairs.slope_lower > best.slope_lower:
+            best = stairs
         history = self._ts[-1] - self._ts[0] + self.bucket_s
         if history >= self.min_history_s:
             return best
         return replace(best, reach_s=min(YOUNG_REACH * history, self.young_horizon_s))
+
+
+def staircase(ts: list[float], ys: list[float], jump: float, bucket_s: float, min_steps: int) -> Trend | None:
+    """The trend of a staircase in bucket maxima: `min_steps` or more rises of over `jump` that hold.
+
+    A run of rising buckets is one step (a ramp is one long step, and the short fit's to
+    judge). A step holds while the envelope stays above the level it rose from: a noise
+    spike falls back, a free falls below them all. The newest step counts once a bucket
+    after it has held. The slope is the mean step over the mean beat; the lower slope
+    leaves out the first step and counts the dwell since the last one, so a staircase
+    that stops flattens its own forecast instead of warning on the level it reached.
+    """
+    steps: list[tuple[float, float, float]] = []  # (time of the step's last bucket, height, level before)
+    rising = False
+    for i in range(1, len(ys)):
+        rise = ys[i] - ys[i - 1]
+        if rise > jump:
+            if rising:
+                _, height, base = steps[-1]
+                steps[-1] = (ts[i], height + rise, base)
+            else:
+                steps.append((ts[i], rise, ys[i - 1]))
+            rising = True
+            continue
+        rising = False
+        while steps and ys[i] < steps[-1][2] + jump / 2.0:
+            steps.pop()
+    if steps and steps[-1][0] == ts[-1]:
+        steps.pop()
+    if len(steps) < min_steps:
+        return None
+    first_t = steps[0][0]
+    beats = steps[-1][0] - first_t
+    since_first = ts[-1] + bucket_s / 2.0 - first_t
+    if beats <= 0.0 or since_first <= 0.0:
+        return None
+    heights = [h for _, h, _ in steps]
+    slope = math.fsum(heights) / len(heights) / (beats / (len(steps) - 1))
+    lower = min(slope, math.fsum(heights[1:]) / since_first)
+    confidence = round(min(1.0, (len(steps) - 1) / (2.0 * (min_steps - 1))), 4)
+    return Trend(slope, lower, slope, confidence, ys[-1], "steps")
 
 
 def _pooled(ts: list[float], ys: list[float], points: int) -> tuple[list[float], list[float]]:

@@ -35,9 +35,11 @@ class ForecastSettings(_Strict):
     window_s: float = Field(default=60.0, gt=0.0, le=3600.0)
     # No trend is trusted before this much history of a target (the level alone still counts).
     min_history_s: float = Field(default=30.0, ge=0.0, le=3600.0)
-    # A trend younger than min_history_s may warn only when the limit is this close: on a
-    # fresh target the first tooth of a sawtooth climbs exactly like a ramp to OOM.
-    young_horizon_s: float = Field(default=4.0, gt=0.0, le=3600.0)
+    # A trend younger than min_history_s may warn only when, at its fastest plausible slope,
+    # the limit is this close: on a fresh target the first tooth of a sawtooth climbs exactly
+    # like a ramp to OOM, so it waits for the last safe moment (the 2 s the loop needs to
+    # act, plus one bucket between two decisions).
+    young_horizon_s: float = Field(default=2.5, gt=0.0, le=3600.0)
 
     @model_validator(mode="after")
     def _window_holds_buckets(self) -> ForecastSettings:
