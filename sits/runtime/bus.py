@@ -205,6 +205,29 @@ class ConsumerStats:
     dead_letter_reasons: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class PartitionLag:
+    topic: str
+    records: int  # records written and not yet consumed
+    reached_ms: int | None  # write time of the record the consumer is at (handling, or last handled)
+
+
+def lag_by_topic(partitions: Sequence[PartitionLag], now_s: float) -> dict[str, tuple[int, float]]:
+    """(records, seconds) behind per topic. Records add up over partitions. Seconds are those of the
+    partition furthest behind, counted only where records wait: a caught-up partition is 0 s behind
+    however old its last record. Seconds do not depend on how many samples a record packs, records do.
+    The record it is at stands for the oldest waiting one: they were written moments apart.
+    """
+    lag: dict[str, tuple[int, float]] = {}
+    for p in partitions:
+        records, seconds = lag.get(p.topic, (0, 0.0))
+        behind_s = 0.0
+        if p.records > 0 and p.reached_ms is not None and p.reached_ms > 0:
+            behind_s = max(0.0, now_s - p.reached_ms / 1000.0)
+        lag[p.topic] = (records + p.records, max(seconds, behind_s))
+    return lag
+
+
 class EventConsumer:
     """Consumes SITS events for one consumer group and hands each to `handler`."""
 
@@ -241,6 +264,8 @@ class EventConsumer:
         )
         self._started = False
         self._metric_children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        # Per partition: the write time (ms) of the record being handled, or the last one handled.
+        self._reached_ms: dict[TopicPartition, int] = {}
         self.stats = ConsumerStats()
 
     async def start(self) -> None:
@@ -283,6 +308,7 @@ class EventConsumer:
             if messages is not None:
                 decoded.extend((record, message) for message in messages)
         for record, message, folded in self._coalesced(decoded):
+            self._reached_ms[tp] = record.timestamp
             event = ReceivedEvent(
                 topic=record.topic,
                 partition=record.partition,
@@ -403,9 +429,13 @@ class EventConsumer:
         await self._consumer.commit({tp: next_offset})
 
     async def _export_lag(self) -> None:
+        partitions = []
         for tp in self._consumer.assignment():
             highwater = self._consumer.highwater(tp)
             if highwater is None:
                 continue
             position = await self._consumer.position(tp)
-            metrics.CONSUMER_LAG.labels(topic=tp.topic, group=self._group_id).set(max(0, highwater - position))
+            partitions.append(PartitionLag(tp.topic, max(0, highwater - position), self._reached_ms.get(tp)))
+        for topic, (records, seconds) in lag_by_topic(partitions, time.time()).items():
+            metrics.CONSUMER_LAG.labels(topic=topic, group=self._group_id).set(records)
+            metrics.CONSUMER_LAG_SECONDS.labels(topic=topic, group=self._group_id).set(seconds)

@@ -22,6 +22,11 @@ HANDLER_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
 CONSUMER_LAG = Gauge("sits_consumer_lag", "Records not yet consumed, by topic and group.", ["topic", "group"])
+CONSUMER_LAG_SECONDS = Gauge(
+    "sits_consumer_lag_seconds",
+    "Age of the oldest record not yet handled (0 when caught up), by topic and group.",
+    ["topic", "group"],
+)
 GRPC_REJECTED = Counter("sits_grpc_rejected_total", "gRPC calls refused before the handler ran.", ["method", "code"])
 
 

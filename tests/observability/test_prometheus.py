@@ -42,7 +42,7 @@ def test_compose_prometheus_config_is_valid_with_its_rules(tmp_path: Path) -> No
     (tmp_path / "prometheus.yml").write_text(config)
     result = promtool("check", "config", str(tmp_path / "prometheus.yml"))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 9 rules found" in result.stdout + result.stderr
+    assert "SUCCESS: 10 rules found" in result.stdout + result.stderr
 
 
 def test_promtool_check_metrics_rejects_bad_exposition() -> None:

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from prometheus_client import REGISTRY
 
-from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics
+from sits.runtime.bus import EventConsumer, EventProducer, PartitionLag, ReceivedEvent, ensure_topics, lag_by_topic
 from sits.runtime.events import (
     DLQ_REASON_HEADER,
     EnvelopeError,
@@ -268,6 +269,68 @@ async def test_consumer_killed_mid_batch_handles_every_record_once(
 def oom_event(i: int) -> events_pb2.OomEvent:
     target = common_pb2.Target(host="h", gpu_uuid="GPU-1", engine=f"e{i % 3}")
     return events_pb2.OomEvent(meta=new_meta("test", target, time.time()), requested_bytes=i + 1)
+
+
+def test_lag_adds_records_and_takes_the_oldest_waiting_partition() -> None:
+    lag = lag_by_topic(
+        [
+            PartitionLag("m", records=3, reached_ms=940_000),  # 60 s behind
+            PartitionLag("m", records=2, reached_ms=990_000),  # 10 s behind
+            PartitionLag("m", records=0, reached_ms=100_000),  # caught up: its old record does not count
+            PartitionLag("o", records=0, reached_ms=None),
+            PartitionLag("c", records=4, reached_ms=None),  # nothing handled yet: no age to tell
+        ],
+        now_s=1000.0,
+    )
+    assert lag == {"m": (5, 60.0), "o": (0, 0.0), "c": (4, 0.0)}
+
+
+async def test_a_stuck_consumer_reports_how_old_its_waiting_record_is(settings: Settings, topics: Topics) -> None:
+    """Lag in seconds comes from the records' write times, so it reads the same however capture packs samples."""
+    await ensure_topics(settings)
+    stuck = sample(1)
+    raw = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+    await raw.start()
+    try:
+        written_ms = int((time.time() - 120.0) * 1000)  # written two minutes ago
+        await raw.send_and_wait(
+            topics.metrics,
+            stuck.SerializeToString(),
+            key=b"h/GPU-1//vllm-0",
+            headers=cloudevent_headers(stuck),
+            timestamp_ms=written_ms,
+        )
+    finally:
+        await raw.stop()
+
+    async def handle(event: ReceivedEvent) -> None:
+        raise RuntimeError("the handler cannot make progress")
+
+    group = f"{topics.prefix}g"
+
+    labels = {"topic": topics.metrics, "group": group}
+
+    def seconds_behind() -> float:
+        return REGISTRY.get_sample_value("sits_consumer_lag_seconds", labels) or 0.0
+
+    async with EventProducer(settings) as producer:
+        consumer = EventConsumer(
+            settings,
+            group_id=group,
+            topics=[topics.metrics],
+            handler=handle,
+            dead_letters=producer,
+            retry_backoff_s=0.05,
+        )
+        async with consumer:
+            stop = asyncio.Event()
+            task = asyncio.create_task(consumer.run(stop))
+            assert await eventually(lambda: seconds_behind() >= 119.0, timeout_s=20), seconds_behind()
+            stop.set()
+            await asyncio.wait_for(task, 5)
+    assert consumer.stats.retries >= 1
+    assert REGISTRY.get_sample_value("sits_consumer_lag", labels) == 1
+    assert seconds_behind() < 200.0
 
 
 def test_stop_twice_is_safe(settings: Settings) -> None:
