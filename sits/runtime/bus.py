@@ -209,7 +209,7 @@ class ConsumerStats:
 class PartitionLag:
     topic: str
     records: int  # records written and not yet consumed
-    reached_ms: int | None  # write time of the record the consumer is at (handling, or last handled)
+    reached_ms: int | None  # write time of the record the consumer stopped at (last handled, or failing)
 
 
 def lag_by_topic(partitions: Sequence[PartitionLag], now_s: float) -> dict[str, tuple[int, float]]:
@@ -264,7 +264,8 @@ class EventConsumer:
         )
         self._started = False
         self._metric_children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        # Per partition: the write time (ms) of the record being handled, or the last one handled.
+        # Per partition: the write time (ms) of the record the consumer stopped at: the last one of
+        # a handled batch, or the one a handler failed on. Set per batch: lag is exported between them.
         self._reached_ms: dict[TopicPartition, int] = {}
         self.stats = ConsumerStats()
 
@@ -308,7 +309,6 @@ class EventConsumer:
             if messages is not None:
                 decoded.extend((record, message) for message in messages)
         for record, message, folded in self._coalesced(decoded):
-            self._reached_ms[tp] = record.timestamp
             event = ReceivedEvent(
                 topic=record.topic,
                 partition=record.partition,
@@ -325,11 +325,13 @@ class EventConsumer:
                 log.exception("handler failed on %s[%d]@%d; retrying", record.topic, record.partition, record.offset)
                 self.stats.retries += 1
                 metrics.HANDLER_RETRIES.labels(topic=record.topic).inc()
+                self._reached_ms[tp] = record.timestamp
                 await self._commit(tp, record.offset)
                 self._consumer.seek(tp, record.offset)
                 await asyncio.sleep(self._retry_backoff_s)
                 return
         if records:
+            self._reached_ms[tp] = records[-1].timestamp
             await self._commit(tp, records[-1].offset + 1)
 
     def _coalesced(
