@@ -36,14 +36,16 @@ from sits.demo.load import LoadDriver, LoadShape, one_request, ramp
 from sits.demo.report import summarize, write_report
 from sits.demo.timeline import Timeline
 from sits.demo.watch_cli import poll_forecasts
+from sits.runtime.clock import SystemClock
 from sits.runtime.events import Topics
 from sits.runtime.redis import RedisUnavailable
 from sits.runtime.tap import TopicTap
 from sits.stack.embedded import EmbeddedStack, StackConfig
 from sits.stack.vllm_engine import VllmServer, make_random_llama
 from sits.v1 import common_pb2
+from sits_mesh.bypass import BypassGate
 from sits_mesh.envoy_process import EnvoyProcess
-from sits_mesh.ext_proc import AdmissionProcessor, DecisionAdmitter, ExtProcServer, FilePressure
+from sits_mesh.ext_proc import AdmissionProcessor, BypassController, DecisionAdmitter, ExtProcServer, FilePressure
 from sits_mesh.policy import MeshPolicy
 
 ENGINE = "vllm-0"
@@ -176,10 +178,23 @@ class Demo:
             embedded.settings.decision_addr, common_pb2.Target(host=embedded.settings.host_name, engine=ENGINE)
         )
         stack.push_async_callback(admitter.close)
+        # The bypass probe asks about the largest request this engine accepts.
+        admission = base.admission.model_copy(update={"bypass_max_request_tokens": engine.max_model_len})
+        base = base.model_copy(update={"admission": admission})
         processor = AdmissionProcessor(base, admitter, FilePressure(pressure_file))
         ext_proc = await stack.enter_async_context(ExtProcServer(processor))
-        policy = base.model_copy(update={"admission": base.admission.model_copy(update={"port": ext_proc.port})})
-        return await stack.enter_async_context(EnvoyProcess(policy, workdir=out / "envoy"))
+        policy = base.model_copy(update={"admission": admission.model_copy(update={"port": ext_proc.port})})
+        envoy = await stack.enter_async_context(EnvoyProcess(policy, workdir=out / "envoy"))
+        controller = BypassController(BypassGate(admission, base.priorities, SystemClock()), processor, envoy)
+        stop_probing = asyncio.Event()
+        probing = asyncio.create_task(controller.run(stop_probing, admission.bypass_check_interval_s))
+
+        async def stop_probe() -> None:
+            stop_probing.set()
+            await probing
+
+        stack.push_async_callback(stop_probe)
+        return envoy
 
     def _service_env(self, engine: VllmServer, envoy: EnvoyProcess) -> dict[str, str]:
         targets = {ENGINE: {"engine_addr": engine.address, "control_addr": engine.control_address}}

@@ -11,9 +11,13 @@ import time
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from sits.runtime.clock import SystemClock
+from sits_mesh.bypass import BypassGate
 from sits_mesh.envoy_config import RATELIMIT_ENFORCED_KEY, breaker_key
+from sits_mesh.ext_proc import BypassController
 from tests.mesh.conftest import StartMesh
 from tests.mesh.helpers import (
     KV_BYTES_PER_TOKEN,
@@ -129,12 +133,19 @@ async def test_runtime_shed_key_sheds_a_priority_at_the_route(start_mesh: StartM
     assert (await generate(stack.address, "p1")).ok
 
 
+def shed_count(priority: str, reason: str) -> float:
+    # Labelled like Envoy's vllm_pN clusters, which the recording rules join them with.
+    return REGISTRY.get_sample_value("sits_shed_requests_total", {"priority": priority, "reason": reason}) or 0.0
+
+
 async def test_processor_sheds_p2_first_under_pressure(start_mesh: StartMesh) -> None:
     stack = await start_mesh()
     stack.envoy.set_pressure(0.75)  # above p2's 0.7, below p1's 0.85 and Envoy's 0.9
+    shed_before = shed_count("p2", "pressure")
     p2 = await generate(stack.address, "p2")
     p1 = await generate(stack.address, "p1")
     assert p2.code == grpc.StatusCode.UNAVAILABLE and "priority p2 is shed" in p2.details
+    assert shed_count("p2", "pressure") == shed_before + 1
     assert p1.ok
     stack.envoy.set_pressure(0.87)
     p1 = await generate(stack.address, "p1")
@@ -202,3 +213,25 @@ async def test_inference_flows_when_the_processor_is_down(start_mesh: StartMesh)
     await stack.envoy.runtime_modify({breaker_key(stack.envoy.policy, "p2", "max_requests"): 0})
     assert (await generate(stack.address, "p2")).code == grpc.StatusCode.UNAVAILABLE
     assert await stack.envoy.stat("http.sits_ingress.ext_proc.sits_admission.failure_mode_allowed") >= 1
+
+
+async def test_the_bypass_skips_the_processor_while_free_kv_is_plentiful_and_closes_when_it_is_not(
+    start_mesh: StartMesh, decision_peer: tuple[str, KvRuleDecision]
+) -> None:
+    stack = await start_mesh(admission={"bypass_max_request_tokens": 1024, "bypass_open_after_s": 0})
+    policy = stack.processor.policy
+    controller = BypassController(
+        BypassGate(policy.admission, policy.priorities, SystemClock()), stack.processor, stack.envoy
+    )
+    streams = "http.sits_ingress.ext_proc.sits_admission.streams_started"
+    assert await controller.probe_once()  # the peer has 4096 tokens of KV free: 4 x the 1024-token probe
+    before = await stack.envoy.stat(streams)
+    assert (await generate(stack.address, "p0", max_tokens=4)).ok
+    assert (await generate(stack.address, "p2", max_tokens=4)).ok
+    assert await stack.envoy.stat(streams) == before  # not one stream to the processor
+    decision_peer[1].free_kv_bytes = 1500 * KV_BYTES_PER_TOKEN  # one 1024-token request fits, but not twice
+    assert not await controller.probe_once()
+    assert "under 2 x" in controller.gate.reason
+    big = await generate(stack.address, "p0", prompt_tokens=900, max_tokens=700)
+    assert big.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "refused by SITS admission" in big.details, big
+    assert await stack.envoy.stat(streams) == before + 1

@@ -9,7 +9,13 @@ import pytest
 import yaml
 
 from sits_mesh import cli
-from sits_mesh.envoy_config import EXT_PROC_FILTER, LOCAL_RATELIMIT_FILTER, render_bootstrap, render_bootstrap_yaml
+from sits_mesh.envoy_config import (
+    ADMISSION_BYPASS_KEY,
+    EXT_PROC_FILTER,
+    LOCAL_RATELIMIT_FILTER,
+    render_bootstrap,
+    render_bootstrap_yaml,
+)
 from sits_mesh.envoy_process import EnvoyProcess, validate_config
 from sits_mesh.istio import render_istio, render_istio_yaml
 from sits_mesh.policy import MeshPolicy, load_policy
@@ -35,6 +41,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     "buffered_partial_with_headers": {"admission": {"body_mode": "BUFFERED_PARTIAL", "send_headers": True}},
     "fallback_cap": {"admission": {"fallback_max_total_tokens": 4096}, "rate_limit": {"max_tokens": 1}},
+    "bypass": {"admission": {"bypass_max_request_tokens": 8192}},
 }
 
 
@@ -183,3 +190,20 @@ async def test_envoy_process_serves_admin_on_loopback_and_stops_twice(tmp_path: 
         assert (tmp_path / "envoy" / "gpu_pressure").read_text() == "0.5000"
     await envoy.stop()  # safe twice
     assert envoy.admin_url.startswith("http://127.0.0.1:")
+
+
+def test_the_bypass_route_comes_first_skips_the_processor_and_defaults_to_inspecting() -> None:
+    def generate_routes(policy: MeshPolicy) -> list[dict[str, Any]]:
+        manager = render_bootstrap(policy)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        routes = manager["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+        return [r for r in routes if r["name"].startswith("p0_generate")]
+
+    bypass, inspected = generate_routes(MeshPolicy.model_validate({"admission": {"bypass_max_request_tokens": 8192}}))
+    assert (bypass["name"], inspected["name"]) == ("p0_generate_bypass", "p0_generate")
+    assert bypass["match"]["runtime_fraction"] == {
+        "default_value": {"numerator": 0, "denominator": "HUNDRED"},
+        "runtime_key": ADMISSION_BYPASS_KEY,
+    }
+    assert bypass["match"]["path"] == inspected["match"]["path"]
+    assert bypass["typed_per_filter_config"][EXT_PROC_FILTER]["disabled"] is True
+    assert [r["name"] for r in generate_routes(MeshPolicy())] == ["p0_generate"]

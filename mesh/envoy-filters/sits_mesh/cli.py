@@ -2,7 +2,7 @@
 
 The lead wires `configure_parser` / `run` into the `sits` command:
     sits mesh render --policy mesh/policy.yaml --out DIR [--istio] [--validate]
-    sits mesh ext-proc --policy mesh/policy.yaml [--decision-addr HOST:PORT]
+    sits mesh ext-proc --policy mesh/policy.yaml [--decision-addr HOST:PORT] [--envoy-admin URL]
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--policy", type=Path, default=DEFAULT_POLICY, help="mesh policy YAML")
     serve.add_argument("--decision-addr", default="127.0.0.1:50062", help="the decision service's gRPC address")
     serve.add_argument("--host-name", default="", help="Target.host sent in AdmitRequest")
+    serve.add_argument(
+        "--envoy-admin",
+        default=None,
+        help="Envoy's admin URL, where the bypass is switched (default: the policy's admin address)",
+    )
 
 
 def _render(args: argparse.Namespace, policy: MeshPolicy) -> int:
@@ -60,20 +65,24 @@ def _render(args: argparse.Namespace, policy: MeshPolicy) -> int:
 
 async def _serve(args: argparse.Namespace, policy: MeshPolicy) -> int:
     from sits.v1 import common_pb2
-    from sits_mesh.ext_proc import AdmissionProcessor, DecisionAdmitter, ExtProcServer, FilePressure
+    from sits_mesh.envoy_process import EnvoyAdmin
+    from sits_mesh.ext_proc import DecisionAdmitter, ExtProcServer, FilePressure, serve_admission
 
     admission = policy.admission
     target = common_pb2.Target(host=args.host_name, engine=admission.engine)
     admitter = DecisionAdmitter(args.decision_addr, target, admission.decision_timeout_s)
-    processor = AdmissionProcessor(policy, admitter, FilePressure(Path(policy.overload.pressure_file)))
+    envoy = EnvoyAdmin(args.envoy_admin or f"http://{policy.admin.address}:{policy.admin.port}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    async with ExtProcServer(processor, admission.address, admission.port) as server:
-        print(f"admission processor on {server.host}:{server.port}, decision at {args.decision_addr}")
-        await stop.wait()
+
+    def ready(server: ExtProcServer) -> None:
+        bypass = f", bypass switched at {envoy.admin_url}" if admission.bypass_max_request_tokens else ""
+        print(f"admission processor on {server.host}:{server.port}, decision at {args.decision_addr}{bypass}")
+
+    await serve_admission(policy, admitter, FilePressure(Path(policy.overload.pressure_file)), envoy, stop, ready)
     await admitter.close()
     return 0
 

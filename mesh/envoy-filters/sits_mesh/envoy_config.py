@@ -25,6 +25,9 @@ DECODE_HEADERS_SHED_POINT = "envoy.load_shed_points.http_connection_manager_deco
 # Runtime keys (admin layer: POST /runtime_modify?KEY=VALUE). Percent values.
 RATELIMIT_ENABLED_KEY = "sits.ratelimit.enabled"
 RATELIMIT_ENFORCED_KEY = "sits.ratelimit.enforced"
+# 100 while the admission processor has found that no request could be refused
+# (sits_mesh/bypass.py); Generate then skips it. Default 0: inspect.
+ADMISSION_BYPASS_KEY = "sits.admission.bypass"
 # Priorities that can be shed at the route by runtime; P0 is never shed there.
 SHEDDABLE: tuple[PriorityName, ...] = ("p1", "p2")
 
@@ -154,6 +157,10 @@ def _ext_proc_priority(priority: PriorityName) -> dict[str, Any]:
     }
 
 
+def _runtime_percent(default: int, key: str) -> dict[str, Any]:
+    return {"default_value": {"numerator": default, "denominator": "HUNDRED"}, "runtime_key": key}
+
+
 def _forward(cluster: str) -> dict[str, Any]:
     # timeout 0s: a token stream may run for minutes; stream_idle_timeout bounds stalls.
     return {"cluster": cluster, "timeout": "0s"}
@@ -171,10 +178,7 @@ def routes(policy: MeshPolicy) -> list[dict[str, Any]]:
                 "match": {
                     "prefix": "/",
                     "headers": _priority_header(policy, priority),
-                    "runtime_fraction": {
-                        "default_value": {"numerator": 0, "denominator": "HUNDRED"},
-                        "runtime_key": shed_key(priority),
-                    },
+                    "runtime_fraction": _runtime_percent(0, shed_key(priority)),
                 },
                 "direct_response": {
                     "status": 503,
@@ -199,9 +203,18 @@ def routes(policy: MeshPolicy) -> list[dict[str, Any]]:
             "match": generate_match,
             "route": _forward(cluster),
         }
-        if admission:
-            generate_route["typed_per_filter_config"] = _ext_proc_priority(priority)
-        return [generate_route, other]
+        if not admission:
+            return [generate_route, other]
+        generate_route["typed_per_filter_config"] = _ext_proc_priority(priority)
+        if not policy.admission.bypass_max_request_tokens:
+            return [generate_route, other]
+        bypass = {
+            "name": f"{name}_generate_bypass",
+            "match": {**generate_match, "runtime_fraction": _runtime_percent(0, ADMISSION_BYPASS_KEY)},
+            "route": _forward(cluster),
+            "typed_per_filter_config": _no_ext_proc(),
+        }
+        return [bypass, generate_route, other]
 
     for priority in PRIORITY_NAMES:
         table += pair(priority, _priority_header(policy, priority), policy.cluster_for(priority), priority)
@@ -223,14 +236,8 @@ def http_filters(policy: MeshPolicy) -> list[dict[str, Any]]:
                     "tokens_per_fill": rate.tokens_per_fill,
                     "fill_interval": duration(rate.fill_interval_s),
                 },
-                "filter_enabled": {
-                    "default_value": {"numerator": rate.enabled_percent, "denominator": "HUNDRED"},
-                    "runtime_key": RATELIMIT_ENABLED_KEY,
-                },
-                "filter_enforced": {
-                    "default_value": {"numerator": rate.enforced_percent, "denominator": "HUNDRED"},
-                    "runtime_key": RATELIMIT_ENFORCED_KEY,
-                },
+                "filter_enabled": _runtime_percent(rate.enabled_percent, RATELIMIT_ENABLED_KEY),
+                "filter_enforced": _runtime_percent(rate.enforced_percent, RATELIMIT_ENFORCED_KEY),
                 "rate_limited_as_resource_exhausted": True,
             },
         }
@@ -334,6 +341,8 @@ def runtime_defaults(policy: MeshPolicy) -> dict[str, Any]:
     defaults: dict[str, Any] = {shed_key(p): 0 for p in SHEDDABLE}
     defaults[RATELIMIT_ENABLED_KEY] = policy.rate_limit.enabled_percent
     defaults[RATELIMIT_ENFORCED_KEY] = policy.rate_limit.enforced_percent
+    if policy.admission.enabled and policy.admission.bypass_max_request_tokens:
+        defaults[ADMISSION_BYPASS_KEY] = 0
     for priority in PRIORITY_NAMES:
         limits = policy.priorities.classes[priority]
         defaults[breaker_key(policy, priority, "max_requests")] = limits.max_requests

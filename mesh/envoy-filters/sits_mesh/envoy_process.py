@@ -66,7 +66,53 @@ def _http(method: str, url: str, timeout_s: float) -> tuple[int, str]:
         return int(err.code), err.read().decode(errors="replace")
 
 
-class EnvoyProcess:
+class AdminApi:
+    """Envoy's admin API (loopback only): runtime keys and stats."""
+
+    @property
+    def admin_url(self) -> str:
+        raise NotImplementedError
+
+    async def admin(self, method: str, path: str, timeout_s: float = 5.0) -> tuple[int, str]:
+        return await asyncio.to_thread(_http, method, f"{self.admin_url}{path}", timeout_s)
+
+    async def runtime_modify(self, values: dict[str, int | float | str]) -> None:
+        query = urllib.parse.urlencode({k: str(v) for k, v in values.items()})
+        status, body = await self.admin("POST", f"/runtime_modify?{query}")
+        if status != 200:
+            raise EnvoyError(f"runtime_modify {values} answered {status}: {body}")
+
+    async def stats(self, filter_regex: str | None = None) -> dict[str, int]:
+        """Counters and gauges (histograms left out), by full stat name."""
+        query = "?format=json"
+        if filter_regex:
+            query += "&filter=" + urllib.parse.quote(filter_regex)
+        status, body = await self.admin("GET", f"/stats{query}")
+        if status != 200:
+            raise EnvoyError(f"/stats answered {status}: {body[:200]}")
+        values: dict[str, int] = {}
+        for stat in json.loads(body).get("stats", []):
+            if "value" in stat:
+                values[stat["name"]] = int(stat["value"])
+        return values
+
+    async def stat(self, name: str) -> int:
+        """One counter or gauge; 0 when Envoy has not created it yet."""
+        return (await self.stats(f"^{name.replace('.', '[.]')}$")).get(name, 0)
+
+
+class EnvoyAdmin(AdminApi):
+    """The admin API of an Envoy this process did not start (`http://127.0.0.1:9901`)."""
+
+    def __init__(self, admin_url: str) -> None:
+        self._admin_url = admin_url.rstrip("/")
+
+    @property
+    def admin_url(self) -> str:
+        return self._admin_url
+
+
+class EnvoyProcess(AdminApi):
     def __init__(
         self,
         policy: MeshPolicy,
@@ -187,35 +233,6 @@ class EnvoyProcess:
             await asyncio.to_thread(process.wait, 5)
         if self._owned_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
-
-    # --- admin ---------------------------------------------------------------
-
-    async def admin(self, method: str, path: str, timeout_s: float = 5.0) -> tuple[int, str]:
-        return await asyncio.to_thread(_http, method, f"{self.admin_url}{path}", timeout_s)
-
-    async def runtime_modify(self, values: dict[str, int | float | str]) -> None:
-        query = urllib.parse.urlencode({k: str(v) for k, v in values.items()})
-        status, body = await self.admin("POST", f"/runtime_modify?{query}")
-        if status != 200:
-            raise EnvoyError(f"runtime_modify {values} answered {status}: {body}")
-
-    async def stats(self, filter_regex: str | None = None) -> dict[str, int]:
-        """Counters and gauges (histograms left out), by full stat name."""
-        query = "?format=json"
-        if filter_regex:
-            query += "&filter=" + urllib.parse.quote(filter_regex)
-        status, body = await self.admin("GET", f"/stats{query}")
-        if status != 200:
-            raise EnvoyError(f"/stats answered {status}: {body[:200]}")
-        values: dict[str, int] = {}
-        for stat in json.loads(body).get("stats", []):
-            if "value" in stat:
-                values[stat["name"]] = int(stat["value"])
-        return values
-
-    async def stat(self, name: str) -> int:
-        """One counter or gauge; 0 when Envoy has not created it yet."""
-        return (await self.stats(f"^{name.replace('.', '[.]')}$")).get(name, 0)
 
     def set_pressure(self, value: float) -> None:
         write_pressure(self.pressure_file, value)

@@ -17,9 +17,10 @@ other SITS server.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -35,7 +36,7 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import (
     ProcessingResponse,
 )
 from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from sits.runtime.clock import Clock, SystemClock
 from sits.v1 import common_pb2, decision_pb2, decision_pb2_grpc
@@ -54,7 +55,9 @@ from sits_mesh.admission import (
     refusal_message,
     shed_reason,
 )
-from sits_mesh.envoy_config import PRIORITY_METADATA
+from sits_mesh.bypass import BypassGate, Probe
+from sits_mesh.envoy_config import ADMISSION_BYPASS_KEY, PRIORITY_METADATA
+from sits_mesh.envoy_process import EnvoyError
 from sits_mesh.ext_proc_wire import ExtProcRequest, Phase, decode_processing_request
 from sits_mesh.policy import MeshPolicy, PriorityName
 from sits_mesh.pressure import read_pressure
@@ -239,7 +242,7 @@ class AdmissionProcessor:
                 shed_checked = True
                 if reason is not None:
                     self.counters.shed += 1
-                    SHED_REQUESTS.labels(priority=str(priority).upper(), reason="pressure").inc()
+                    SHED_REQUESTS.labels(priority=priority, reason="pressure").inc()
                     yield local_reply(GRPC_UNAVAILABLE, StatusCode.ServiceUnavailable, reason)
                     return
                 if not inspect:
@@ -255,7 +258,7 @@ class AdmissionProcessor:
                     reason = shed_reason(priority, self.pressure.current(), self.policy.priorities)
                     if reason is not None:
                         self.counters.shed += 1
-                        SHED_REQUESTS.labels(priority=str(priority).upper(), reason="pressure").inc()
+                        SHED_REQUESTS.labels(priority=priority, reason="pressure").inc()
                         yield local_reply(GRPC_UNAVAILABLE, StatusCode.ServiceUnavailable, reason)
                         return
                 body += request.body
@@ -267,7 +270,7 @@ class AdmissionProcessor:
                         )
                     )
                     self.counters.refuse(message)
-                    SHED_REQUESTS.labels(priority=str(priority).upper(), reason="kv_admission").inc()
+                    SHED_REQUESTS.labels(priority=priority, reason="kv_admission").inc()
                     yield local_reply(GRPC_RESOURCE_EXHAUSTED, StatusCode.TooManyRequests, message)
                     return
                 if not (frame_complete(body) or request.end_of_stream):
@@ -290,7 +293,7 @@ class AdmissionProcessor:
                 else:
                     message = refusal_message(verdict)
                     self.counters.refuse(message)
-                    SHED_REQUESTS.labels(priority=str(priority).upper(), reason="kv_admission").inc()
+                    SHED_REQUESTS.labels(priority=priority, reason="kv_admission").inc()
                     yield local_reply(GRPC_RESOURCE_EXHAUSTED, StatusCode.TooManyRequests, message)
                     return
             else:
@@ -308,6 +311,73 @@ class AdmissionProcessor:
                 )
             },
         )
+
+
+class RuntimeWriter(Protocol):
+    async def runtime_modify(self, values: dict[str, int | float | str]) -> None: ...
+
+
+BYPASS_OPEN = Gauge(
+    "sits_admission_bypass_open",
+    "1 while Generate requests skip the admission processor because none could be refused.",
+)
+
+
+class BypassController:
+    """Probes the decision service and tells Envoy whether Generate may skip the processor.
+
+    The verdict on each probe also keeps the processor's recent free-KV figure
+    fresh, so small requests are admitted locally the moment inspection resumes.
+    A state Envoy has not confirmed is sent again on the next probe, and an open
+    bypass is re-asserted every `reassert_s` in case Envoy restarted (its
+    default is to inspect).
+    """
+
+    def __init__(
+        self,
+        gate: BypassGate,
+        processor: AdmissionProcessor,
+        envoy: RuntimeWriter,
+        clock: Clock | None = None,
+        reassert_s: float = 2.0,
+    ) -> None:
+        self.gate = gate
+        self.processor = processor
+        self.envoy = envoy
+        self._clock = clock or SystemClock()
+        self._reassert_s = reassert_s
+        self._told: bool | None = None
+        self._told_at = float("-inf")
+        self.transitions = 0
+
+    async def probe_once(self) -> bool:
+        try:
+            verdict: Verdict | None = await self.processor.admitter.admit(self.gate.probe_query())
+        except AdmitterUnavailable:
+            verdict = None
+        if verdict is not None:
+            self.processor.recent_free_kv.remember(verdict)
+        is_open = self.gate.observe(Probe(verdict, self.processor.pressure.current()))
+        now = self._clock.monotonic()
+        if is_open != self._told or (is_open and now - self._told_at >= self._reassert_s):
+            try:
+                await self.envoy.runtime_modify({ADMISSION_BYPASS_KEY: 100 if is_open else 0})
+            except (OSError, EnvoyError) as err:
+                log.warning("could not set %s in Envoy: %s", ADMISSION_BYPASS_KEY, err)
+                self._told = None
+                return is_open
+            if is_open != self._told:
+                self.transitions += 1
+                log.info("admission bypass %s: %s", "open" if is_open else "closed", self.gate.reason)
+            self._told, self._told_at = is_open, now
+            BYPASS_OPEN.set(1 if is_open else 0)
+        return is_open
+
+    async def run(self, stop: asyncio.Event, interval_s: float) -> None:
+        while not stop.is_set():
+            await self.probe_once()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
 
 
 class ExtProcServer:
@@ -340,3 +410,26 @@ class ExtProcServer:
         if server is not None:
             with contextlib.suppress(Exception):
                 await server.stop(grace_s)
+
+
+async def serve_admission(
+    policy: MeshPolicy,
+    admitter: Admitter,
+    pressure: PressureSource,
+    envoy: RuntimeWriter | None,
+    stop: asyncio.Event,
+    on_ready: Callable[[ExtProcServer], None] = lambda server: None,
+) -> AdmissionProcessor:
+    """Serves the processor, and the bypass probe when the policy asks for it, until `stop` is set."""
+    processor = AdmissionProcessor(policy, admitter, pressure)
+    gate = BypassGate(policy.admission, policy.priorities, SystemClock())
+    async with ExtProcServer(processor, policy.admission.address, policy.admission.port) as server:
+        probing = None
+        if gate.enabled and envoy is not None:
+            controller = BypassController(gate, processor, envoy)
+            probing = asyncio.create_task(controller.run(stop, policy.admission.bypass_check_interval_s))
+        on_ready(server)
+        await stop.wait()
+        if probing is not None:
+            await probing
+    return processor

@@ -147,6 +147,16 @@ class Admission(_Frozen):
     local_admit_max_age_s: float = Field(0.5, ge=0.0, le=10.0)
     # KV bytes per token of the served model, for the local estimate (0: unknown, always ask).
     kv_bytes_per_token: int = Field(0, ge=0, le=1 << 30)
+    # Bypass (sits_mesh/bypass.py): while one request of `bypass_max_request_tokens`
+    # (the engine's max model length) fits `bypass_headroom` times over in the free
+    # KV and pressure sheds no priority, no verdict could refuse, so Envoy routes
+    # Generate past the processor. The processor probes the decision service every
+    # `bypass_check_interval_s`; the bypass opens after `bypass_open_after_s` of
+    # clear probes and closes at the first that is not. 0: inspect every request.
+    bypass_max_request_tokens: int = Field(0, ge=0, le=10_000_000)
+    bypass_headroom: float = Field(2.0, ge=1.0, le=1000.0)
+    bypass_check_interval_s: float = Field(0.1, ge=0.01, le=10)
+    bypass_open_after_s: float = Field(1.0, ge=0.0, le=600)
 
 
 class OutlierDetection(_Frozen):
