@@ -270,7 +270,7 @@ def test_prometheus_scrapes_every_service_on_its_metrics_port(services: dict[str
         for static in job.get("static_configs", [])
         for target in static["targets"]
     }
-    for name in SITS_SERVICES:
+    for name in (*SITS_SERVICES, "admission"):
         service = services[name]
         host = service["network_mode"].removeprefix("service:") if "network_mode" in service else name
         assert f"{host}:{env_of(service)['SITS_METRICS_PORT']}" in targets

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from sits.stack.procs import free_port
 from sits_mesh import cli
 from sits_mesh.envoy_config import (
     ADMISSION_BYPASS_KEY,
@@ -207,3 +214,34 @@ def test_the_bypass_route_comes_first_skips_the_processor_and_defaults_to_inspec
     assert bypass["match"]["path"] == inspected["match"]["path"]
     assert bypass["typed_per_filter_config"][EXT_PROC_FILTER]["disabled"] is True
     assert [r["name"] for r in generate_routes(MeshPolicy())] == ["p0_generate"]
+
+
+def test_cli_serves_the_processor_with_its_metrics_and_stops_on_sigterm(tmp_path: Path) -> None:
+    processor_port, metrics_port, nobody = free_port(), free_port(), free_port()
+    policy_path = tmp_path / "policy.yaml"
+    data = yaml.safe_load((REPO / "mesh" / "policy.yaml").read_text())
+    data["admission"].update({"port": processor_port, "bypass_check_interval_s": 0.05})
+    data["overload"]["pressure_file"] = str(tmp_path / "gpu_pressure")
+    policy_path.write_text(yaml.safe_dump(data))
+    env = {**os.environ, "SITS_METRICS_PORT": str(metrics_port), "PYTHONPATH": str(REPO / "mesh" / "envoy-filters")}
+    argv = [sys.executable, "-m", "sits_mesh.cli", "ext-proc", "--policy", str(policy_path)]
+    # Neither the decision service nor Envoy is there: the processor serves anyway (fail open)
+    # and its bypass probe keeps every request inspected.
+    argv += ["--decision-addr", f"127.0.0.1:{nobody}", "--envoy-admin", f"http://127.0.0.1:{nobody}"]
+    child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    try:
+        assert child.stdout is not None
+        banner = child.stdout.readline()
+        assert f"admission processor on 127.0.0.1:{processor_port}" in banner, banner
+        assert f"/metrics on 127.0.0.1:{metrics_port}" in banner
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+            exposition = response.read().decode()
+        assert "# TYPE sits_shed_requests_total counter" in exposition
+        assert "sits_admission_bypass_open" in exposition
+        socket.create_connection(("127.0.0.1", processor_port), timeout=5).close()
+    finally:
+        child.send_signal(signal.SIGTERM)
+        output, _ = child.communicate(timeout=20)
+    assert child.returncode == 0, output
+    # One warning for the unreachable Envoy, not one per probe.
+    assert output.count(f"could not set {ADMISSION_BYPASS_KEY} in Envoy") <= 1, output

@@ -64,6 +64,8 @@ def _render(args: argparse.Namespace, policy: MeshPolicy) -> int:
 
 
 async def _serve(args: argparse.Namespace, policy: MeshPolicy) -> int:
+    from sits.runtime.metrics import serve_metrics
+    from sits.runtime.settings import load_settings
     from sits.v1 import common_pb2
     from sits_mesh.envoy_process import EnvoyAdmin
     from sits_mesh.ext_proc import DecisionAdmitter, ExtProcServer, FilePressure, serve_admission
@@ -78,9 +80,16 @@ async def _serve(args: argparse.Namespace, policy: MeshPolicy) -> int:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
 
+    # Shed counts and the bypass gauge, on SITS_METRICS_BIND:SITS_METRICS_PORT like every service.
+    settings = load_settings()
+    metrics_port = serve_metrics(settings.metrics_port, settings.metrics_bind)
+
     def ready(server: ExtProcServer) -> None:
         bypass = f", bypass switched at {envoy.admin_url}" if admission.bypass_max_request_tokens else ""
-        print(f"admission processor on {server.host}:{server.port}, decision at {args.decision_addr}{bypass}")
+        print(
+            f"admission processor on {server.host}:{server.port}, decision at {args.decision_addr}{bypass}, "
+            f"/metrics on {settings.metrics_bind}:{metrics_port}"
+        )
 
     await serve_admission(policy, admitter, FilePressure(Path(policy.overload.pressure_file)), envoy, stop, ready)
     await admitter.close()

@@ -348,6 +348,7 @@ class BypassController:
         self._reassert_s = reassert_s
         self._told: bool | None = None
         self._told_at = float("-inf")
+        self._write_failing = False
         self.transitions = 0
 
     async def probe_once(self) -> bool:
@@ -363,9 +364,12 @@ class BypassController:
             try:
                 await self.envoy.runtime_modify({ADMISSION_BYPASS_KEY: 100 if is_open else 0})
             except (OSError, EnvoyError) as err:
-                log.warning("could not set %s in Envoy: %s", ADMISSION_BYPASS_KEY, err)
+                if not self._write_failing:  # once per outage, not ten times a second
+                    log.warning("could not set %s in Envoy: %s", ADMISSION_BYPASS_KEY, err)
+                self._write_failing = True
                 self._told = None
                 return is_open
+            self._write_failing = False
             if is_open != self._told:
                 self.transitions += 1
                 log.info("admission bypass %s: %s", "open" if is_open else "closed", self.gate.reason)
