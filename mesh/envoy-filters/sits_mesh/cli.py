@@ -65,7 +65,7 @@ def _render(args: argparse.Namespace, policy: MeshPolicy) -> int:
 
 async def _serve(args: argparse.Namespace, policy: MeshPolicy) -> int:
     from sits.runtime.metrics import serve_metrics
-    from sits.runtime.settings import load_settings
+    from sits.runtime.settings import Settings, load_settings
     from sits.v1 import common_pb2
     from sits_mesh.envoy_process import EnvoyAdmin
     from sits_mesh.ext_proc import DecisionAdmitter, ExtProcServer, FilePressure, serve_admission
@@ -81,7 +81,7 @@ async def _serve(args: argparse.Namespace, policy: MeshPolicy) -> int:
             loop.add_signal_handler(sig, stop.set)
 
     # Shed counts and the bypass gauge, on SITS_METRICS_BIND:SITS_METRICS_PORT like every service.
-    settings = load_settings()
+    settings = load_settings(Settings)
     metrics_port = serve_metrics(settings.metrics_port, settings.metrics_bind)
 
     def ready(server: ExtProcServer) -> None:
