@@ -36,14 +36,12 @@ from sits.demo.load import LoadDriver, LoadShape, one_request, ramp
 from sits.demo.report import summarize, write_report
 from sits.demo.timeline import Timeline
 from sits.demo.watch_cli import poll_forecasts
-from sits.runtime.clock import SystemClock
 from sits.runtime.events import Topics
 from sits.runtime.redis import RedisUnavailable
 from sits.runtime.tap import TopicTap
 from sits.stack.embedded import EmbeddedStack, StackConfig
 from sits.stack.vllm_engine import VllmServer, make_random_llama
 from sits.v1 import common_pb2
-from sits_mesh.bypass import BypassGate
 from sits_mesh.envoy_process import EnvoyProcess
 from sits_mesh.ext_proc import AdmissionProcessor, BypassController, DecisionAdmitter, ExtProcServer, FilePressure
 from sits_mesh.policy import MeshPolicy
@@ -185,9 +183,8 @@ class Demo:
         ext_proc = await stack.enter_async_context(ExtProcServer(processor))
         policy = base.model_copy(update={"admission": admission.model_copy(update={"port": ext_proc.port})})
         envoy = await stack.enter_async_context(EnvoyProcess(policy, workdir=out / "envoy"))
-        controller = BypassController(BypassGate(admission, base.priorities, SystemClock()), processor, envoy)
         stop_probing = asyncio.Event()
-        probing = asyncio.create_task(controller.run(stop_probing, admission.bypass_check_interval_s))
+        probing = asyncio.create_task(BypassController(processor, envoy).run(stop_probing))
 
         async def stop_probe() -> None:
             stop_probing.set()

@@ -93,9 +93,7 @@ def test_the_controller_tells_envoy_on_changes_retries_and_reasserts_an_open_byp
         admitter = ScriptedAdmitter([PLENTY, PLENTY, PLENTY, PLENTY, None])
         processor = AdmissionProcessor(policy, admitter, clock=clock)
         envoy = RecordingEnvoy(failures=1)
-        controller = BypassController(
-            BypassGate(policy.admission, policy.priorities, clock), processor, envoy, clock, reassert_s=2.0
-        )
+        controller = BypassController(processor, envoy, clock, reassert_s=2.0)
         assert await controller.probe_once()  # open, but Envoy refused the write
         assert envoy.writes == []
         assert await controller.probe_once()  # so it is sent again

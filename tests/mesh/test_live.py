@@ -14,8 +14,6 @@ import pytest
 from prometheus_client import REGISTRY
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from sits.runtime.clock import SystemClock
-from sits_mesh.bypass import BypassGate
 from sits_mesh.envoy_config import RATELIMIT_ENFORCED_KEY, breaker_key
 from sits_mesh.ext_proc import BypassController
 from tests.mesh.conftest import StartMesh
@@ -219,10 +217,7 @@ async def test_the_bypass_skips_the_processor_while_free_kv_is_plentiful_and_clo
     start_mesh: StartMesh, decision_peer: tuple[str, KvRuleDecision]
 ) -> None:
     stack = await start_mesh(admission={"bypass_max_request_tokens": 1024, "bypass_open_after_s": 0})
-    policy = stack.processor.policy
-    controller = BypassController(
-        BypassGate(policy.admission, policy.priorities, SystemClock()), stack.processor, stack.envoy
-    )
+    controller = BypassController(stack.processor, stack.envoy)
     streams = "http.sits_ingress.ext_proc.sits_admission.streams_started"
     assert await controller.probe_once()  # the peer has 4096 tokens of KV free: 4 x the 1024-token probe
     before = await stack.envoy.stat(streams)

@@ -37,7 +37,8 @@ class BypassGate:
         self._tokens = admission.bypass_max_request_tokens
         self._headroom = admission.bypass_headroom
         self._open_after_s = admission.bypass_open_after_s
-        self._priorities = priorities
+        # Pressure at which the first priority is shed (1.0: none ever is).
+        self._shed_at = min(c.shed_at_pressure for c in priorities.classes.values())
         self._clock = clock
         self._clear_since: float | None = None
         self.is_open = False
@@ -55,9 +56,8 @@ class BypassGate:
         """Why every request must still be inspected after this probe, or None when none can be refused."""
         if not self.enabled:
             return "bypass is off in the policy"
-        shed_at = min(c.shed_at_pressure for c in self._priorities.classes.values())
-        if probe.pressure is not None and shed_at < 1.0 and probe.pressure >= shed_at:
-            return f"GPU pressure {probe.pressure:.2f} is at or above {shed_at:.2f}, where shedding starts"
+        if probe.pressure is not None and self._shed_at < 1.0 and probe.pressure >= self._shed_at:
+            return f"GPU pressure {probe.pressure:.2f} is at or above {self._shed_at:.2f}, where shedding starts"
         verdict = probe.verdict
         if verdict is None:
             return "the decision service did not answer the probe"

@@ -335,16 +335,16 @@ class BypassController:
 
     def __init__(
         self,
-        gate: BypassGate,
         processor: AdmissionProcessor,
         envoy: RuntimeWriter,
         clock: Clock | None = None,
         reassert_s: float = 2.0,
     ) -> None:
-        self.gate = gate
         self.processor = processor
         self.envoy = envoy
         self._clock = clock or SystemClock()
+        policy = processor.policy
+        self.gate = BypassGate(policy.admission, policy.priorities, self._clock)
         self._reassert_s = reassert_s
         self._told: bool | None = None
         self._told_at = float("-inf")
@@ -377,7 +377,9 @@ class BypassController:
             BYPASS_OPEN.set(1 if is_open else 0)
         return is_open
 
-    async def run(self, stop: asyncio.Event, interval_s: float) -> None:
+    async def run(self, stop: asyncio.Event) -> None:
+        """Probes every `admission.bypass_check_interval_s` until `stop` is set."""
+        interval_s = self.processor.policy.admission.bypass_check_interval_s
         while not stop.is_set():
             await self.probe_once()
             with contextlib.suppress(TimeoutError):
@@ -426,12 +428,10 @@ async def serve_admission(
 ) -> AdmissionProcessor:
     """Serves the processor, and the bypass probe when the policy asks for it, until `stop` is set."""
     processor = AdmissionProcessor(policy, admitter, pressure)
-    gate = BypassGate(policy.admission, policy.priorities, SystemClock())
     async with ExtProcServer(processor, policy.admission.address, policy.admission.port) as server:
         probing = None
-        if gate.enabled and envoy is not None:
-            controller = BypassController(gate, processor, envoy)
-            probing = asyncio.create_task(controller.run(stop, policy.admission.bypass_check_interval_s))
+        if policy.admission.bypass_max_request_tokens and envoy is not None:
+            probing = asyncio.create_task(BypassController(processor, envoy).run(stop))
         on_ready(server)
         await stop.wait()
         if probing is not None:
