@@ -18,18 +18,18 @@ fi
   build/wake_floor/wake_floor 10 "$seconds" 1
   PYTHONPATH="$PWD" python3 scripts/gpu/nvml_call_costs.py "$seconds" 100
 } 2>&1 | tee "$out/wake_floor.log"
-python3 - "$out" <<'PY'
-import json, sys
+PYTHONPATH="$PWD" python3 - "$out" <<'PY'
+import datetime as dt
+import json
+import sys
 from pathlib import Path
+
+from bench.common import median
 
 out = Path(sys.argv[1])
 lines = [json.loads(l) for l in (out / "wake_floor.log").read_text().splitlines() if l.startswith("{")]
 native = [r for r in lines if "mode" in r]
 python = [r for r in lines if "mode" not in r]
-def median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-import datetime as dt
 
 figures = {
     "native_wake_only_cpu_pct_100hz": median([r["cpu_pct"] for r in native if r["mode"] == 0 and r["hz"] == 100]),
