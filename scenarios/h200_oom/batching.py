@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.executor import engine_control_protocol as protocol
+from sits.runtime import engine_control as protocol
 
 _APPLY_WAIT_S = 2.0
 

@@ -14,6 +14,7 @@ from services.capture.publisher import CapturePublisher, TopicEnsuringProducer
 from services.capture.service import CaptureService
 from services.capture.settings import CaptureSettings
 from services.capture.sources.base import Source
+from services.capture.sources.engine_control import EngineControlSource
 from services.capture.sources.nvml import NvmlSource
 from services.capture.sources.nvml_reader import NvmlReader
 from services.capture.sources.replay import ReplaySource
@@ -56,6 +57,15 @@ def build_sources(settings: CaptureSettings) -> list[Source]:
                 interval_s=settings.vllm_loads_interval_s,
                 timeout_s=settings.vllm_timeout_s,
                 kv_events=settings.vllm_kv_events,
+            )
+        )
+    if settings.engine_control_addr:
+        sources.append(
+            EngineControlSource(
+                settings.engine_control_addr,
+                engine_target,
+                interval_s=settings.engine_control_interval_s,
+                timeout_s=settings.vllm_timeout_s,
             )
         )
     if settings.vllm_metrics_url:

@@ -20,6 +20,14 @@ class CaptureSettings(Settings):
         "", description="vLLM gRPC server (GetLoads, SubscribeKvEvents), host:port; empty: off."
     )
     vllm_loads_interval_s: float = Field(0.5, gt=0, le=60, description="GetLoads polling period.")
+    engine_control_addr: str = Field(
+        "",
+        description="The SITS scheduler plugin's engine-control endpoint, host:port (the variable the plugin binds "
+        "to): per-tier queueing, live limits and KV blocks; empty: off.",
+    )
+    engine_control_interval_s: float = Field(
+        0.25, gt=0, le=60, description="How often capture reads the plugin's state (the controller's signals)."
+    )
     vllm_kv_events: bool = Field(True, description="Subscribe to the engine's KV-cache event stream.")
     vllm_metrics_url: str = Field("", description="vLLM Prometheus endpoint (http://host:port/metrics); empty: off.")
     vllm_metrics_interval_s: float = Field(1.0, gt=0, le=60, description="Prometheus scrape period.")

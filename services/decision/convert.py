@@ -15,9 +15,11 @@ from services.decision.domain.types import (
     PlannedCommand,
     Priority,
     ProcessMemory,
+    Promise,
     RootCause,
     Sample,
     Target,
+    TierLoad,
 )
 from sits.v1 import common_pb2, decision_pb2, events_pb2
 
@@ -85,6 +87,9 @@ def sample_from_pb(sample: events_pb2.MetricSample) -> Sample:
             e.kv_blocks_used,
             e.block_size,
             e.lora_adapters_loaded,
+            tiers=tuple(_tier_from_pb(t) for t in e.tiers),
+            running_cap=e.limits.max_num_running_reqs if e.limits.HasField("max_num_running_reqs") else 0,
+            max_num_seqs=e.max_num_seqs,
         )
     return Sample(
         target=target_from_pb(meta.target),
@@ -96,6 +101,37 @@ def sample_from_pb(sample: events_pb2.MetricSample) -> Sample:
         processes=tuple(ProcessMemory(p.pid, p.used_bytes, p.name, p.is_target_engine) for p in sample.processes),
         engine=engine,
         allocator=_allocator_from_pb(sample.allocator) if sample.HasField("allocator") else None,
+    )
+
+
+def _tier_from_pb(t: events_pb2.TierLoad) -> TierLoad:
+    # sits.v1.Priority P0..P2 are 1..3; the domain counts tiers from 0 (P0).
+    return TierLoad(
+        tier=int(t.priority) - 1,
+        running=t.running,
+        waiting=t.waiting,
+        oldest_wait_s=t.oldest_wait_s,
+        queue_wait_p50_s=t.queue_wait_p50_s,
+        queue_wait_p90_s=t.queue_wait_p90_s,
+        queue_wait_samples=t.queue_wait_samples,
+        preemptions=t.preemptions,
+        scheduled=t.scheduled,
+        kv_blocks=t.kv_blocks,
+    )
+
+
+def _tier_to_pb(t: TierLoad) -> events_pb2.TierLoad:
+    return events_pb2.TierLoad(
+        priority=common_pb2.Priority.ValueType(t.tier + 1),
+        running=t.running,
+        waiting=t.waiting,
+        oldest_wait_s=t.oldest_wait_s,
+        queue_wait_p50_s=t.queue_wait_p50_s,
+        queue_wait_p90_s=t.queue_wait_p90_s,
+        queue_wait_samples=t.queue_wait_samples,
+        preemptions=t.preemptions,
+        scheduled=t.scheduled,
+        kv_blocks=t.kv_blocks,
     )
 
 
@@ -132,8 +168,12 @@ def sample_to_pb(sample: Sample) -> events_pb2.MetricSample:
                 kv_blocks_used=e.kv_blocks_used,
                 block_size=e.block_size,
                 lora_adapters_loaded=e.lora_adapters_loaded,
+                tiers=[_tier_to_pb(t) for t in e.tiers],
+                max_num_seqs=e.max_num_seqs,
             )
         )
+        if e.running_cap:
+            message.engine.limits.max_num_running_reqs = e.running_cap
     if sample.allocator is not None:
         message.allocator.CopyFrom(_allocator_to_pb(sample.allocator))
     return message
@@ -186,6 +226,11 @@ def _int(params: dict[str, object], name: str, default: int = 0) -> int:
     return int(value) if isinstance(value, int | float) else default
 
 
+def _float(params: dict[str, object], name: str, default: float = 0.0) -> float:
+    value = params.get(name, default)
+    return float(value) if isinstance(value, int | float) else default
+
+
 def command_to_pb(command: PlannedCommand, source: str = SOURCE) -> events_pb2.HealingCommand:
     """The HealingCommand for a planned command; its event id is the command id (idempotent re-sends)."""
     message = events_pb2.HealingCommand(
@@ -215,6 +260,8 @@ def command_to_pb(command: PlannedCommand, source: str = SOURCE) -> events_pb2.H
         factor = params.get("max_num_running_reqs_factor")
         if isinstance(factor, int | float):
             limits.max_num_running_reqs_factor = float(factor)
+        if params.get("restore_defaults"):
+            limits.restore_defaults = True
         message.engine_limits.CopyFrom(limits)
     elif kind is ActionKind.SHED_PRIORITY:
         message.breaker.CopyFrom(
@@ -242,4 +289,35 @@ def command_to_pb(command: PlannedCommand, source: str = SOURCE) -> events_pb2.H
             for name, used in tenants.items():
                 mig.tenant_bytes[str(name)] = int(used)
         message.mig.CopyFrom(mig)
+    elif kind is ActionKind.SET_TIER_BUDGET:
+        budget = events_pb2.TierBudget(
+            lower_tier_budget=_int(params, "budget", -1),
+            lease_seconds=_float(params, "lease_s"),
+            drain_backlog=bool(params.get("drain_backlog", False)),
+        )
+        tier_limits = params.get("limits", {})
+        if isinstance(tier_limits, dict):
+            for tier, max_requests in sorted(tier_limits.items()):
+                budget.limits.add(priority=common_pb2.Priority.ValueType(int(tier) + 1), max_requests=int(max_requests))
+        message.tier_budget.CopyFrom(budget)
+    message.promise.CopyFrom(promise_to_pb(command.promise))
+    return message
+
+
+def promise_to_pb(promise: Promise) -> events_pb2.Promise:
+    message = events_pb2.Promise(
+        settle_seconds=promise.settle_s,
+        no_p0_refused=promise.no_p0_refused,
+        engine_alive=promise.engine_alive,
+        no_oom=promise.no_oom,
+        effect=promise.effect,
+    )
+    if promise.p0_queue_wait_p90_s is not None:
+        message.p0_queue_wait_p90_s = promise.p0_queue_wait_p90_s
+    if promise.gpu_memory_fraction_below is not None:
+        message.gpu_memory_fraction_below = promise.gpu_memory_fraction_below
+    if promise.preemptions_per_s_below is not None:
+        message.preemptions_per_s_below = promise.preemptions_per_s_below
+    if promise.running_at_most is not None:
+        message.running_at_most = promise.running_at_most
     return message

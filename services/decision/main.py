@@ -1,14 +1,18 @@
-"""Wiring of the decision service: Kafka in (metrics, OOM), Kafka out (healing commands), gRPC API.
+"""Wiring of the decision service: Kafka in (metrics, OOM, results, verdicts), Kafka out (commands), gRPC API.
 
 Thin on purpose: decoding, the domain engine and encoding. Commands are
 published before the consumer commits the sample that caused them
 (at-least-once); their command_id is derived from the cause's event id, so a
 re-delivered sample yields the same command id and the executor skips it.
+The tier controller runs on its own fixed tick (the policy's
+`controller.tick_s`), over the latest signals the samples brought; results and
+verdicts on its commands come back to it from the executor and the validator.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -17,13 +21,14 @@ from pydantic import Field
 
 from services.decision import convert, metrics
 from services.decision.domain.admission import EngineProfile
-from services.decision.domain.engine import DecisionEngine
+from services.decision.domain.engine import ActionOutcome, DecisionEngine
 from services.decision.domain.kv_model import known_model
 from services.decision.domain.policy import parse_policy
+from services.decision.domain.types import PlannedCommand
 from services.decision.grpc_api import MUTATING_METHODS, SERVICE_NAME, DecisionService
 from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics
 from sits.runtime.clock import Clock, SystemClock
-from sits.runtime.events import Topics
+from sits.runtime.events import Topics, seconds
 from sits.runtime.grpcserver import GrpcServer, ServiceBinding, read_token
 from sits.runtime.metrics import serve_metrics
 from sits.runtime.settings import Settings
@@ -76,14 +81,46 @@ class DecisionHandler:
             self._export_drops()
         elif isinstance(message, events_pb2.OomEvent):
             commands = self._engine.observe_oom(convert.oom_from_pb(message))
+        elif isinstance(message, events_pb2.ValidationVerdict):
+            outcome = events_pb2.Verdict.Name(message.verdict).removeprefix("VERDICT_")
+            self._engine.observe_verdict(message.command_id, outcome, seconds(message.meta.produced_at))
+            return
+        elif isinstance(message, events_pb2.ActionResult):
+            self._observe_result(message)
+            return
         else:
             return
         metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
+        await self.publish(commands)
+
+    def _observe_result(self, result: events_pb2.ActionResult) -> None:
+        status = events_pb2.ActionStatus.Name(result.status).removeprefix("ACTION_STATUS_")
+        budget = sum(limit.max_requests for limit in result.after.budget) if result.after.budget else None
+        self._engine.observe_result(
+            ActionOutcome(
+                command_id=result.command_id,
+                action_id=result.action_id,
+                status=status,
+                rolled_back_action_id=result.rolled_back_action_id,
+                t=seconds(result.meta.produced_at),
+                budget=budget,
+            )
+        )
+
+    async def tick(self, now: float) -> None:
+        await self.publish(self._engine.tick(now))
+
+    async def publish(self, commands: list[PlannedCommand]) -> None:
         for command in commands:
             metrics.COMMANDS.labels(kind=command.kind.value.lower(), rule=command.rule).inc()
-            log.info(
-                "command %s %s for %s: %s", command.command_id, command.kind.value, command.target.key, command.reason
-            )
+            if command.reason != "controller renew: lower-tier budget renewed":
+                log.info(
+                    "command %s %s for %s: %s",
+                    command.command_id,
+                    command.kind.value,
+                    command.target.key,
+                    command.reason,
+                )
             await self._producer.publish(self._topics.commands, convert.command_to_pb(command))
 
 
@@ -107,15 +144,29 @@ async def serve(settings: DecisionSettings, stop: asyncio.Event) -> None:
         max_message_bytes=settings.grpc_max_message_bytes,
     )
     async with EventProducer(settings) as producer, server:
+        handler = DecisionHandler(engine, producer, topics)
         consumer = EventConsumer(
             settings,
             group_id=f"{settings.topic_prefix}{settings.decision_group}",
-            topics=[topics.metrics, topics.oom],
-            handler=DecisionHandler(engine, producer, topics),
+            topics=[topics.metrics, topics.oom, topics.results, topics.validation],
+            handler=handler,
             dead_letters=producer,
         )
-        async with consumer:
+        async with consumer, asyncio.TaskGroup() as tasks:
+            tasks.create_task(run_ticks(handler, engine, stop))
             await consumer.run(stop)
+
+
+async def run_ticks(handler: DecisionHandler, engine: DecisionEngine, stop: asyncio.Event) -> None:
+    """The controller's fixed tick (a policy change takes effect at the next one)."""
+    clock = SystemClock()
+    while not stop.is_set():
+        try:
+            await handler.tick(clock.now())
+        except Exception:
+            log.exception("controller tick failed; next tick retries")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), engine.policy.spec.controller.tick_s)
 
 
 def main() -> int:

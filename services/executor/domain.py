@@ -12,7 +12,8 @@ injected clock. Protobuf messages appear only as data.
   closed → open → half-open → closed driven by a TTL. Tiers shed in order: a
   tier opens only together with every tier below it, and closes only together
   with every tier above it, so P0 is always shed last and admitted first.
-- `restore_plan` says what "restore the state before" means for each kind.
+- `restore_limits`, `restore_breakers`, `restore_budget`: compare-and-set rollback (only what the action set,
+  only while no later action replaced it); `direction`: whether an action tightened or loosened.
 """
 
 from __future__ import annotations
@@ -290,25 +291,109 @@ def board_from_settings(settings: Sequence[events_pb2.BreakerSetting], now: floa
     return BreakerBoard(records)
 
 
-def envoy_limits(board: BreakerBoard, now: float, policy: BreakerPolicy) -> dict[Tier, int]:
-    """Envoy circuit-breaker max_requests per tier (each tier has its own cluster in the mesh)."""
+@dataclass(frozen=True, slots=True)
+class TierBudgetRecord:
+    """The controller's limits on the tiers below P0, held until `until` unless renewed."""
+
+    limits: Mapping[Tier, int]
+    until: float
+    command_id: str = ""
+    lease_s: float = 0.0
+
+    def active(self, now: float) -> bool:
+        return now < self.until
+
+    def to_proto(self) -> list[events_pb2.TierLimit]:
+        return [events_pb2.TierLimit(priority=t.to_proto(), max_requests=n) for t, n in sorted(self.limits.items())]
+
+
+def budget_limits(budget: events_pb2.TierBudget) -> dict[Tier, int]:
+    return {Tier.from_proto(limit.priority): limit.max_requests for limit in budget.limits}
+
+
+def budget_reasons(budget: events_pb2.TierBudget, policy: BreakerPolicy) -> list[str]:
+    reasons: list[str] = []
+    seen: set[int] = set()
+    for limit in budget.limits:
+        if limit.priority not in (common_pb2.PRIORITY_P1, common_pb2.PRIORITY_P2):
+            reasons.append("tier_budget.limits may name P1 and P2 only: P0 is never limited by the controller")
+            continue
+        if limit.priority in seen:
+            reasons.append("tier_budget.limits names a tier twice")
+        seen.add(limit.priority)
+        if not 0 <= limit.max_requests <= policy.closed_max_requests:
+            reasons.append(
+                f"tier_budget max_requests must be in [0, {policy.closed_max_requests}], got {limit.max_requests}"
+            )
+    if budget.limits and not 0.0 < budget.lease_seconds <= 3600.0:
+        reasons.append(f"tier_budget.lease_seconds must be in (0, 3600], got {budget.lease_seconds}")
+    return reasons
+
+
+def envoy_limits(
+    board: BreakerBoard, now: float, policy: BreakerPolicy, budget: TierBudgetRecord | None = None
+) -> dict[Tier, int]:
+    """Envoy circuit-breaker max_requests per tier (each tier has its own cluster in the mesh).
+
+    A tier is held to the tighter of its breaker and the controller's budget while that is leased.
+    """
     effective = board.effective(now, policy)
-    return {tier: effective.get(tier, policy).max_requests for tier in ALL_TIERS}
+    limits = {tier: effective.get(tier, policy).max_requests for tier in ALL_TIERS}
+    if budget is not None and budget.active(now):
+        for tier, cap in budget.limits.items():
+            limits[tier] = min(limits[tier], cap)
+    return limits
+
+
+# ---------------------------------------------------------------- which way an action moved things
+
+
+def _tightness(before: float, after: float, smaller_is_tighter: bool = True) -> int:
+    """-1 tighter, +1 looser, 0 the same."""
+    if before == after:
+        return 0
+    return -1 if (after < before) == smaller_is_tighter else 1
+
+
+def _chunk(value: int) -> float:
+    return math.inf if value == 0 else float(value)
+
+
+def direction(before: events_pb2.ActionState, after: events_pb2.ActionState) -> events_pb2.ChangeDirection.ValueType:
+    """The ChangeDirection of an action from the state it recorded before and after it."""
+    moves: list[int] = []
+    old, new = before.engine_limits, after.engine_limits
+    for name in ("max_num_running_reqs", "max_num_scheduled_tokens"):
+        if old.HasField(name) and new.HasField(name):
+            moves.append(_tightness(getattr(old, name), getattr(new, name)))
+    if old.HasField("max_prefill_chunk_tokens") and new.HasField("max_prefill_chunk_tokens"):
+        moves.append(_tightness(_chunk(old.max_prefill_chunk_tokens), _chunk(new.max_prefill_chunk_tokens)))
+    if old.HasField("admission_paused") and new.HasField("admission_paused"):
+        moves.append(_tightness(float(old.admission_paused), float(new.admission_paused), smaller_is_tighter=False))
+    old_breakers = {b.priority: b.max_requests for b in before.breakers}
+    for b in after.breakers:
+        if b.priority in old_breakers:
+            moves.append(_tightness(old_breakers[b.priority], b.max_requests))
+    if before.budget or after.budget:
+        # No budget at all admits everything: it is the loosest.
+        old_total = sum(b.max_requests for b in before.budget) if before.budget else math.inf
+        new_total = sum(b.max_requests for b in after.budget) if after.budget else math.inf
+        moves.append(_tightness(old_total, new_total))
+    if before.HasField("pressure") or after.HasField("pressure"):
+        moves.append(_tightness(before.pressure, after.pressure, smaller_is_tighter=False))
+    changed = {m for m in moves if m != 0}
+    if not changed:
+        return events_pb2.CHANGE_DIRECTION_NONE
+    if changed == {-1}:
+        return events_pb2.CHANGE_DIRECTION_TIGHTEN
+    if changed == {1}:
+        return events_pb2.CHANGE_DIRECTION_LOOSEN
+    return events_pb2.CHANGE_DIRECTION_MIXED
 
 
 # ---------------------------------------------------------------- commands
 
 
-REVERSIBLE_KINDS = frozenset(
-    {
-        ActionKind.ACTION_KIND_SET_ENGINE_LIMITS,
-        ActionKind.ACTION_KIND_SHED_PRIORITY,
-        ActionKind.ACTION_KIND_SET_PRESSURE,
-        ActionKind.ACTION_KIND_PAUSE_ADMISSION,
-        ActionKind.ACTION_KIND_RESUME_ADMISSION,
-        ActionKind.ACTION_KIND_MIG_REBALANCE,
-    }
-)
 # Kinds that change the engine's scheduler (need its control endpoint).
 ENGINE_KINDS = frozenset(
     {
@@ -327,6 +412,7 @@ _PARAMS_FOR_KIND: dict[int, str | None] = {
     ActionKind.ACTION_KIND_RESUME_ADMISSION: None,
     ActionKind.ACTION_KIND_MIG_REBALANCE: "mig",
     ActionKind.ACTION_KIND_ROLLBACK: "rollback",
+    ActionKind.ACTION_KIND_SET_TIER_BUDGET: "tier_budget",
 }
 
 
@@ -341,6 +427,7 @@ def validate_command(
     command: events_pb2.HealingCommand,
     known_engines: Iterable[str],
     engine_info: EngineInfo | None = None,
+    breaker_policy: BreakerPolicy | None = None,
 ) -> list[str]:
     """Why `command` must not be applied; an empty list means it may be."""
     reasons: list[str] = []
@@ -369,6 +456,8 @@ def validate_command(
         if not change.ListFields():
             reasons.append("engine_limits sets no field")
         reasons.extend(limit_reasons(change, engine_info))
+    elif kind == ActionKind.ACTION_KIND_SET_TIER_BUDGET:
+        reasons.extend(budget_reasons(command.tier_budget, breaker_policy or BreakerPolicy()))
     elif kind == ActionKind.ACTION_KIND_SHED_PRIORITY:
         setting = command.breaker
         if setting.priority not in (common_pb2.PRIORITY_P0, common_pb2.PRIORITY_P1, common_pb2.PRIORITY_P2):
@@ -410,13 +499,19 @@ def is_stale(command: events_pb2.HealingCommand, now: float) -> bool:
     return now > deadline
 
 
-def limits_after(kind: int, current: Limits, command: events_pb2.HealingCommand, running: int = 0) -> Limits:
+def limits_after(
+    kind: int, current: Limits, command: events_pb2.HealingCommand, running: int = 0, info: EngineInfo | None = None
+) -> Limits:
     """The engine limits a limits/pause/resume command asks for; `running` resolves a cap factor."""
     if kind == ActionKind.ACTION_KIND_PAUSE_ADMISSION:
         return replace(current, admission_paused=True)
     if kind == ActionKind.ACTION_KIND_RESUME_ADMISSION:
         return replace(current, admission_paused=False)
     change = command.engine_limits
+    if change.restore_defaults:
+        if info is None:
+            raise ValueError("restoring the start-up limits needs the engine's facts")
+        return Limits(info.max_num_seqs, info.max_num_batched_tokens, 0, False)
     limits = merge_limits(current, change)
     if change.HasField("max_num_running_reqs_factor") and not change.HasField("max_num_running_reqs"):
         base = running if running > 0 else current.max_num_running_reqs
@@ -425,40 +520,100 @@ def limits_after(kind: int, current: Limits, command: events_pb2.HealingCommand,
     return limits
 
 
+# ---------------------------------------------------------------- compare-and-set rollback
+#
+# A rollback restores only the fields its action changed, and of those only the ones that still hold
+# the value the action set: a field a later action replaced belongs to that action now.
+
+
 @dataclass(frozen=True, slots=True)
-class RestorePlan:
-    """What undoing an action means; `reason` is set when it cannot be undone."""
+class Restore:
+    """What a rollback puts back, and what it leaves because a later action replaced it."""
 
-    limits: Limits | None = None
-    breakers: tuple[events_pb2.BreakerSetting, ...] = ()
-    pressure: float | None = None
-    mig_layout_json: str | None = None
-    reason: str = ""
+    restored: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
 
-    @property
-    def possible(self) -> bool:
-        return not self.reason
+    def describe(self) -> str:
+        parts = []
+        if self.restored:
+            parts.append("restored " + ", ".join(self.restored))
+        if self.kept:
+            parts.append("left " + ", ".join(self.kept) + " (replaced by a later action)")
+        return "; ".join(parts) or "nothing to restore"
 
 
-def restore_plan(kind: int, before: events_pb2.ActionState, fallback_limits: Limits | None) -> RestorePlan:
-    """Undo `kind` by putting back exactly what it changed, as recorded in `before`."""
-    if kind in ENGINE_KINDS:
-        if fallback_limits is None or not before.HasField("engine_limits"):
-            return RestorePlan(reason="no engine limits were recorded before the action")
-        return RestorePlan(limits=merge_limits(fallback_limits, before.engine_limits))
-    if kind == ActionKind.ACTION_KIND_SHED_PRIORITY:
-        return RestorePlan(breakers=tuple(before.breakers))
-    if kind == ActionKind.ACTION_KIND_SET_PRESSURE:
-        return RestorePlan(pressure=before.pressure if before.HasField("pressure") else 0.0)
-    if kind == ActionKind.ACTION_KIND_MIG_REBALANCE:
-        if not before.mig_layout_json:
-            return RestorePlan(reason="no MIG layout was recorded before the action")
-        return RestorePlan(mig_layout_json=before.mig_layout_json)
-    if kind == ActionKind.ACTION_KIND_FLUSH_CACHE:
-        return RestorePlan(reason="a flushed prefix cache cannot be put back; it refills as requests arrive")
-    if kind == ActionKind.ACTION_KIND_ABORT_LOW_PRIORITY:
-        return RestorePlan(reason="aborted streams cannot be resumed; their clients retry")
-    return RestorePlan(reason=f"{kind_name(kind)} cannot be rolled back")
+LIMIT_FIELDS = ("max_num_running_reqs", "max_num_scheduled_tokens", "max_prefill_chunk_tokens", "admission_paused")
+
+
+def restore_limits(
+    current: Limits, before: events_pb2.EngineLimits, after: events_pb2.EngineLimits
+) -> tuple[Limits, Restore]:
+    """`current` with each field the action changed put back, where it still holds the action's value."""
+    updates: dict[str, Any] = {}
+    restored: list[str] = []
+    kept: list[str] = []
+    was: Any = before  # the field names are checked by LIMIT_FIELDS, not by the stubs' literals
+    now: Any = after
+    for name in LIMIT_FIELDS:
+        if not (was.HasField(name) and now.HasField(name)):
+            continue
+        old, new = getattr(before, name), getattr(after, name)
+        if old == new:
+            continue
+        if getattr(current, name) == new:
+            updates[name] = old
+            restored.append(f"{name} {new} -> {old}")
+        else:
+            kept.append(f"{name} (now {getattr(current, name)})")
+    return replace(current, **updates), Restore(tuple(restored), tuple(kept))
+
+
+def restore_breakers(
+    current: BreakerBoard,
+    before: Sequence[events_pb2.BreakerSetting],
+    after: Sequence[events_pb2.BreakerSetting],
+    now: float,
+    policy: BreakerPolicy,
+) -> tuple[BreakerBoard, Restore]:
+    """The breaker board with each tier the action moved put back, where it still reads as the action left it."""
+    effective = current.effective(now, policy)
+    records = dict(effective.records)
+    old = {Tier.from_proto(b.priority): b for b in before}
+    restored: list[str] = []
+    kept: list[str] = []
+    for setting in after:
+        tier = Tier.from_proto(setting.priority)
+        was = old.get(tier)
+        if was is None or (was.state, was.max_requests) == (setting.state, setting.max_requests):
+            continue
+        now_record = effective.get(tier, policy)
+        if (int(now_record.state), now_record.max_requests) == (setting.state, setting.max_requests):
+            records[tier] = board_from_settings([was], now).get(tier, policy)
+            restored.append(f"breaker {tier.name} -> max_requests {was.max_requests}")
+        else:
+            kept.append(f"breaker {tier.name} (now max_requests {now_record.max_requests})")
+    return BreakerBoard(records), Restore(tuple(restored), tuple(kept))
+
+
+def restore_budget(
+    current: TierBudgetRecord | None, before: events_pb2.ActionState, after: events_pb2.ActionState, now: float
+) -> tuple[dict[Tier, int] | None, Restore]:
+    """The budget to put back (None: none, the defaults), if the one in force is still the action's.
+
+    Returns the current limits unchanged (and says so) when a later command replaced them.
+    """
+    in_force = dict(current.limits) if current is not None and current.active(now) else None
+    set_by_action = {Tier.from_proto(b.priority): b.max_requests for b in after.budget} or None
+    previous = {Tier.from_proto(b.priority): b.max_requests for b in before.budget} or None
+    if in_force != set_by_action:
+        return in_force, Restore(kept=(f"tier budget (now {_limits_text(in_force)})",))
+    return previous, Restore(restored=(f"tier budget {_limits_text(set_by_action)} -> {_limits_text(previous)}",))
+
+
+def _limits_text(limits: Mapping[Tier, int] | None) -> str:
+    if not limits:
+        return "none"
+    return ", ".join(f"{tier.name} <= {n}" for tier, n in sorted(limits.items()))
 
 
 def state_diff(before: events_pb2.ActionState, after: events_pb2.ActionState) -> list[str]:
@@ -481,6 +636,13 @@ def state_diff(before: events_pb2.ActionState, after: events_pb2.ActionState) ->
     new_pressure = after.pressure if after.HasField("pressure") else None
     if old_pressure != new_pressure:
         changes.append(f"pressure: {old_pressure} -> {new_pressure}")
+    old_budget = {b.priority: b.max_requests for b in before.budget}
+    new_budget = {b.priority: b.max_requests for b in after.budget}
+    if old_budget != new_budget:
+        changes.append(
+            f"tier budget: {_limits_text({Tier.from_proto(p): n for p, n in old_budget.items()})} -> "
+            f"{_limits_text({Tier.from_proto(p): n for p, n in new_budget.items()})}"
+        )
     if before.mig_layout_json != after.mig_layout_json:
         changes.append("mig layout changed")
     return changes

@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 import redis.asyncio as aioredis
 
-from services.validator.domain import PendingAction
+from services.validator.domain import PendingAction, PromiseTerms
 from sits.v1 import events_pb2
 
 
@@ -76,7 +76,7 @@ class AuditStore:
 
     async def load_pending(self) -> list[PendingAction]:
         raw = await self._r.hgetall(self._k("pending"))
-        return [PendingAction(**json.loads(v)) for v in raw.values()]
+        return [_pending(json.loads(v)) for v in raw.values()]
 
 
 def _bytes(value: object) -> bytes:
@@ -85,3 +85,14 @@ def _bytes(value: object) -> bytes:
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _pending(data: dict[str, object]) -> PendingAction:
+    """A stored watch; fields a newer validator does not know are dropped, missing ones take defaults."""
+    known = set(PendingAction.__dataclass_fields__)
+    fields = {k: v for k, v in data.items() if k in known}
+    promise = fields.get("promise")
+    if isinstance(promise, dict):
+        terms = set(PromiseTerms.__dataclass_fields__)
+        fields["promise"] = PromiseTerms(**{k: v for k, v in promise.items() if k in terms})
+    return PendingAction(**fields)  # type: ignore[arg-type]

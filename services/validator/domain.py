@@ -1,11 +1,28 @@
-"""Validation as pure logic: did an action keep its promise?
+"""Validation as pure logic: did an action keep its promise, and what follows if not?
 
-After an action is applied the target is watched for a settle window (per
-action kind). Then each promise is checked: memory under the watermark the
-decision aimed for, no OOM on the target, P0 latency within its objective and
-the engine healthy, each where it was measured. All measured checks passing
-confirms the action; any failing rolls it back; nothing measured is
-inconclusive. No I/O here; time comes from the caller.
+Each applied action carries its promise (sits.v1.Promise, stated by the
+decision or defaulted per kind) and the direction it moved things. After its
+settle window (the expected drain, stated in the promise) each stated part is
+checked on what was observed of the target:
+- `no_oom`: no OOM event on the target inside the window;
+- `p0_objective`: P0's queue wait p90 in the engine at the end of the window
+  (the plugin's figure over its last few seconds) within the objective, and no
+  P0 request waiting longer than it;
+- `no_p0_refused`: no P0 request refused while the window lasted (a probe
+  reads Envoy's and SITS admission's counters at the start and at the end);
+- `engine_alive`: the engine answers its health check (probe), or, with no
+  probe, kept reporting through the window;
+- `gpu_memory_below`: GPU memory (NVML samples only: a KV cache vLLM keeps full
+  by design says nothing) at most the promised fraction at the end;
+- `no_preemption_storm`: the engine's preemptions per second at most the bound;
+- `running_at_most`: the engine's running requests within a new cap;
+- `effect`: for actions that cannot be undone, the effect the executor reported.
+
+Outcome: every measured part kept confirms. A broken promise rolls the action
+back only when the action loosened (admitted more); a tightening, or an action
+that cannot be undone, is NOT_KEPT: rolling it back would loosen a limit the
+engine may need (never after an OOM), so nothing is undone and the decision
+escalates. Nothing measured is inconclusive. No I/O here; time comes from the caller.
 """
 
 from __future__ import annotations
@@ -17,6 +34,7 @@ from dataclasses import dataclass, field
 DEFAULT_SETTLE_S: dict[str, float] = {
     "SET_ENGINE_LIMITS": 5.0,
     "SHED_PRIORITY": 5.0,
+    "SET_TIER_BUDGET": 5.0,
     "SET_PRESSURE": 3.0,
     "FLUSH_CACHE": 2.0,
     "ABORT_LOW_PRIORITY": 3.0,
@@ -26,12 +44,22 @@ DEFAULT_SETTLE_S: dict[str, float] = {
 }
 # Actions that are not themselves validated: a rollback restores a state already judged.
 NOT_VALIDATED = frozenset({"ROLLBACK"})
+# Kinds whose effect cannot be put back: their verdict is "effect observed", never a rollback.
+NOT_UNDOABLE = frozenset({"FLUSH_CACHE", "ABORT_LOW_PRIORITY"})
 
 
 class Outcome(enum.Enum):
     CONFIRMED = "CONFIRMED"
     ROLLED_BACK = "ROLLED_BACK"
     INCONCLUSIVE = "INCONCLUSIVE"
+    NOT_KEPT = "NOT_KEPT"
+
+
+class Direction(enum.Enum):
+    NONE = "NONE"
+    TIGHTEN = "TIGHTEN"
+    LOOSEN = "LOOSEN"
+    MIXED = "MIXED"
 
 
 @dataclass(frozen=True)
@@ -50,6 +78,21 @@ class Judgement:
 
 
 @dataclass(frozen=True)
+class PromiseTerms:
+    """sits.v1.Promise as plain data (stored with pending watches)."""
+
+    settle_s: float = 0.0
+    p0_queue_wait_p90_s: float | None = None
+    no_p0_refused: bool = False
+    engine_alive: bool = True
+    no_oom: bool = True
+    gpu_memory_fraction_below: float | None = None
+    preemptions_per_s_below: float | None = None
+    running_at_most: int | None = None
+    effect: str = ""
+
+
+@dataclass(frozen=True)
 class PendingAction:
     """An applied action waiting for its settle window to end."""
 
@@ -59,42 +102,54 @@ class PendingAction:
     kind: str
     applied_at: float
     settle_until: float
-    watermark: float
+    promise: PromiseTerms = field(default_factory=PromiseTerms)
+    direction: str = Direction.NONE.value
+    # What the executor reported doing (an effect, for actions that cannot be undone).
+    detail: str = ""
+    # P0 refusals counted by the probe when the watch started (None: not measured).
+    p0_refused_at_start: float | None = None
     # W3C traceparent of the result that started the watch, so the verdict joins its trace.
     traceparent: str = ""
 
 
-@dataclass
-class Observation:
+@dataclass(frozen=True)
+class EngineObservation:
     at: float
-    memory_fraction: float
+    p0_queue_wait_p90_s: float | None
+    p0_oldest_wait_s: float
+    preemptions: int
+    running: int
 
 
 @dataclass
 class TargetWatch:
     """What the validator has seen of one target recently (bounded)."""
 
-    samples: deque[Observation] = field(default_factory=lambda: deque(maxlen=512))
+    gpu_memory: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=512))
+    engine: deque[EngineObservation] = field(default_factory=lambda: deque(maxlen=512))
     oom_times: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    last_seen: float = float("-inf")
 
 
 @dataclass(frozen=True)
-class Objectives:
-    p0_latency_objective_s: float = 2.0
-    # Fraction of the settle window, at its end, whose samples must sit under the watermark.
-    tail_fraction: float = 0.5
+class Probed:
+    """What the probes measured at judgement time (None: not measured)."""
+
+    engine_healthy: bool | None = None
+    p0_refused: float | None = None
 
 
-def settle_seconds(kind: str, overrides: dict[str, float] | None = None) -> float:
+def settle_seconds(kind: str, promise: PromiseTerms | None = None, overrides: dict[str, float] | None = None) -> float:
+    if promise is not None and promise.settle_s > 0:
+        return promise.settle_s
     table = {**DEFAULT_SETTLE_S, **(overrides or {})}
     return table.get(kind, 5.0)
 
 
 class Validator:
-    """Tracks targets and pending actions; `due(now)` yields judgements whose window has ended."""
+    """Tracks targets and pending actions; `due(now)` yields those whose window has ended."""
 
-    def __init__(self, objectives: Objectives | None = None, max_targets: int = 10_000) -> None:
-        self.objectives = objectives or Objectives()
+    def __init__(self, max_targets: int = 10_000) -> None:
         self._targets: dict[str, TargetWatch] = {}
         self._pending: dict[str, PendingAction] = {}
         self._max_targets = max_targets
@@ -108,19 +163,22 @@ class Validator:
         if watch is None:
             if len(self._targets) >= self._max_targets:
                 # Forget the target seen least recently: bounded memory under any number of targets.
-                oldest = min(self._targets, key=lambda k: self._last_seen(self._targets[k]))
+                oldest = min(self._targets, key=lambda k: self._targets[k].last_seen)
                 del self._targets[oldest]
             watch = self._targets[target_key] = TargetWatch()
         return watch
 
-    @staticmethod
-    def _last_seen(watch: TargetWatch) -> float:
-        return watch.samples[-1].at if watch.samples else float("-inf")
-
-    def observe_memory(self, target_key: str, at: float, memory_fraction: float) -> None:
-        if not 0.0 <= memory_fraction <= 1.5:
+    def observe_gpu_memory(self, target_key: str, at: float, fraction: float) -> None:
+        if not 0.0 <= fraction <= 1.5:
             return
-        self.watch(target_key).samples.append(Observation(at, memory_fraction))
+        watch = self.watch(target_key)
+        watch.gpu_memory.append((at, fraction))
+        watch.last_seen = max(watch.last_seen, at)
+
+    def observe_engine(self, target_key: str, observation: EngineObservation) -> None:
+        watch = self.watch(target_key)
+        watch.engine.append(observation)
+        watch.last_seen = max(watch.last_seen, observation.at)
 
     def observe_oom(self, target_key: str, at: float) -> None:
         self.watch(target_key).oom_times.append(at)
@@ -138,65 +196,88 @@ class Validator:
     def forget(self, action_id: str) -> None:
         self._pending.pop(action_id, None)
 
-    def judge(
-        self,
-        pending: PendingAction,
-        *,
-        p0_latency_s: float | None = None,
-        engine_healthy: bool | None = None,
-    ) -> Judgement:
+    def judge(self, pending: PendingAction, probed: Probed | None = None) -> Judgement:
+        probed = probed or Probed()
+        promise = pending.promise
         watch = self.watch(pending.target_key)
+        start, end = pending.applied_at, pending.settle_until
+        tail_start = end - (end - start) / 2.0
         checks: list[CheckResult] = []
-        window = [o for o in watch.samples if pending.applied_at <= o.at <= pending.settle_until]
-        tail_start = pending.settle_until - (pending.settle_until - pending.applied_at) * self.objectives.tail_fraction
-        tail = [o for o in window if o.at >= tail_start] or window[-1:]
-        if tail:
-            worst = max(o.memory_fraction for o in tail)
+        if promise.no_oom:
+            ooms = [t for t in watch.oom_times if start <= t <= end]
+            checks.append(
+                CheckResult("no_oom", not ooms, float(len(ooms)), 0.0, f"{len(ooms)} OOM event(s) on the target")
+            )
+        engine = [o for o in watch.engine if start <= o.at <= end]
+        tail = [o for o in engine if o.at >= tail_start] or engine[-1:]
+        if promise.p0_queue_wait_p90_s is not None and tail:
+            checks.append(_p0_objective(tail, promise.p0_queue_wait_p90_s))
+        if promise.no_p0_refused and probed.p0_refused is not None and pending.p0_refused_at_start is not None:
+            refused = max(0.0, probed.p0_refused - pending.p0_refused_at_start)
+            checks.append(
+                CheckResult("no_p0_refused", refused == 0, refused, 0.0, f"{refused:.0f} P0 request(s) refused")
+            )
+        if promise.engine_alive:
+            if probed.engine_healthy is not None:
+                alive = probed.engine_healthy
+                how = "answered its health check" if alive else "failed its health check"
+            elif engine:
+                alive = any(o.at >= tail_start for o in engine)
+                how = "kept reporting" if alive else "stopped reporting in the second half of the window"
+            else:
+                alive, how = None, ""
+            if alive is not None:
+                checks.append(CheckResult("engine_alive", alive, 1.0 if alive else 0.0, 1.0, f"the engine {how}"))
+        if promise.gpu_memory_fraction_below is not None:
+            memory = [f for at, f in watch.gpu_memory if tail_start <= at <= end]
+            if memory:
+                worst = max(memory)
+                limit = promise.gpu_memory_fraction_below
+                checks.append(
+                    CheckResult(
+                        "gpu_memory_below",
+                        worst <= limit,
+                        worst,
+                        limit,
+                        f"GPU memory at most {worst:.1%} over the last {len(memory)} samples; promised {limit:.1%}",
+                    )
+                )
+        if promise.preemptions_per_s_below is not None and len(tail) >= 2:
+            rate = max(0, tail[-1].preemptions - tail[0].preemptions) / max(1e-3, tail[-1].at - tail[0].at)
+            limit = promise.preemptions_per_s_below
             checks.append(
                 CheckResult(
-                    "memory_below_watermark",
-                    worst <= pending.watermark,
-                    worst,
-                    pending.watermark,
-                    f"highest memory {worst:.1%} over the last {len(tail)} samples; watermark {pending.watermark:.1%}",
+                    "no_preemption_storm", rate <= limit, rate, limit, f"{rate:.1f} preemptions/s; at most {limit:g}"
                 )
             )
-        ooms = [t for t in watch.oom_times if pending.applied_at <= t <= pending.settle_until]
-        checks.append(
-            CheckResult(
-                "no_oom",
-                not ooms,
-                float(len(ooms)),
-                0.0,
-                f"{len(ooms)} OOM event(s) on the target during the settle window",
-            )
-        )
-        if p0_latency_s is not None:
-            objective = self.objectives.p0_latency_objective_s
+        if promise.running_at_most is not None and tail:
+            running = tail[-1].running
+            cap = promise.running_at_most
             checks.append(
-                CheckResult(
-                    "p0_latency",
-                    p0_latency_s <= objective,
-                    p0_latency_s,
-                    objective,
-                    f"P0 p99 time to first token {p0_latency_s * 1000:.0f} ms; objective {objective * 1000:.0f} ms",
-                )
+                CheckResult("running_at_most", running <= cap, float(running), float(cap), f"{running} running")
             )
-        if engine_healthy is not None:
-            checks.append(
-                CheckResult(
-                    "engine_healthy",
-                    engine_healthy,
-                    1.0 if engine_healthy else 0.0,
-                    1.0,
-                    "engine answered its health check" if engine_healthy else "engine failed its health check",
-                )
-            )
-        if any(not c.passed for c in checks):
-            outcome = Outcome.ROLLED_BACK
-        elif not window and p0_latency_s is None and engine_healthy is None:
-            # Only "no OOM" was checked, on a target we never saw: not enough to confirm.
-            outcome = Outcome.INCONCLUSIVE
-        else:
-            outcome = Outcome.CONFIRMED
-        return Judgement(outcome, tuple(checks))
+        if promise.effect:
+            checks.append(CheckResult("effect", True, 1.0, 1.0, f"{promise.effect}: {pending.detail}"))
+        if not checks or (len(checks) == 1 and checks[0].name in ("no_oom", "effect") and not engine):
+            return Judgement(Outcome.INCONCLUSIVE, tuple(checks))
+        if all(c.passed for c in checks):
+            return Judgement(Outcome.CONFIRMED, tuple(checks))
+        undoable = pending.kind not in NOT_UNDOABLE
+        if undoable and pending.direction == Direction.LOOSEN.value:
+            return Judgement(Outcome.ROLLED_BACK, tuple(checks))
+        return Judgement(Outcome.NOT_KEPT, tuple(checks))
+
+
+def _p0_objective(tail: list[EngineObservation], objective: float) -> CheckResult:
+    last = tail[-1]
+    p90 = last.p0_queue_wait_p90_s or 0.0
+    oldest = max(o.p0_oldest_wait_s for o in tail)
+    worst = max(p90, oldest)
+    return CheckResult(
+        "p0_objective",
+        worst <= objective,
+        worst,
+        objective,
+        f"P0 queue wait p90 {p90 * 1000:.0f} ms, longest P0 wait {oldest * 1000:.0f} ms; "
+        f"objective {objective * 1000:.0f} ms",
+    )

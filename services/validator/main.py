@@ -8,8 +8,9 @@ import contextlib
 from pydantic import Field
 
 from services.validator.audit import AuditStore
-from services.validator.domain import Objectives, Validator
+from services.validator.domain import Validator
 from services.validator.grpc_api import ValidatorApi
+from services.validator.probes import LiveProbes
 from services.validator.service import ValidatorService
 from sits.runtime.bus import EventConsumer, EventProducer, ensure_topics
 from sits.runtime.clock import SystemClock
@@ -22,8 +23,17 @@ from sits.v1 import validator_pb2, validator_pb2_grpc
 
 
 class ValidatorSettings(Settings):
-    validator_p0_latency_objective_s: float = Field(
-        2.0, gt=0, le=600, description="P0 time-to-first-token p99 an action must keep."
+    validator_engines: dict[str, str] = Field(
+        default_factory=dict,
+        description='Engines whose health the validator checks, as JSON: {"vllm-0": "host:port"} (vLLM gRPC).',
+    )
+    validator_envoy_admin_url: str = Field(
+        "", description="Envoy admin URL: P0 requests refused by its P0 cluster's breaker; empty: not measured."
+    )
+    validator_p0_cluster: str = Field("vllm_p0", description="The Envoy cluster P0 requests are routed to.")
+    validator_admission_metrics_url: str = Field(
+        "",
+        description="The admission processor's /metrics URL: P0 requests SITS admission refused; empty: not measured.",
     )
     validator_settle_s: dict[str, float] = Field(
         default_factory=dict,
@@ -42,12 +52,20 @@ async def serve(settings: ValidatorSettings, stop: asyncio.Event) -> None:
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(redis.aclose)
         producer = await stack.enter_async_context(EventProducer(settings))
+        probes = LiveProbes(
+            settings.validator_engines,
+            envoy_admin_url=settings.validator_envoy_admin_url,
+            p0_cluster=settings.validator_p0_cluster,
+            admission_metrics_url=settings.validator_admission_metrics_url,
+        )
+        stack.push_async_callback(probes.close)
         service = ValidatorService(
-            validator=Validator(Objectives(p0_latency_objective_s=settings.validator_p0_latency_objective_s)),
+            validator=Validator(),
             audit=AuditStore(redis, settings.topic_prefix),
             producer=producer,
             topics=topics,
             clock=SystemClock(),
+            probes=probes,
             settle_overrides=settings.validator_settle_s,
         )
         await service.resume()

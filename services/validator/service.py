@@ -20,10 +20,20 @@ from opentelemetry import trace
 
 from services.validator import metrics
 from services.validator.audit import AuditStore
-from services.validator.domain import NOT_VALIDATED, Judgement, Outcome, PendingAction, Validator, settle_seconds
+from services.validator.domain import (
+    NOT_VALIDATED,
+    EngineObservation,
+    Judgement,
+    Outcome,
+    PendingAction,
+    Probed,
+    PromiseTerms,
+    Validator,
+    settle_seconds,
+)
 from sits.runtime.bus import EventProducer, ReceivedEvent
 from sits.runtime.clock import Clock
-from sits.runtime.events import Topics, header_value, memory_fraction, new_meta, seconds
+from sits.runtime.events import Topics, header_value, new_meta, seconds
 from sits.runtime.fanout import Fanout
 from sits.runtime.tracing import current_trace_id, extract_headers
 from sits.v1 import common_pb2, events_pb2
@@ -37,13 +47,15 @@ ROLLBACK_DEADLINE_S = 30.0
 class Probes(Protocol):
     """Live measurements the validator may have for a target; None when not measured."""
 
-    async def p0_latency_s(self, target_key: str) -> float | None: ...
+    async def p0_refused(self, target_key: str) -> float | None:
+        """P0 requests refused so far (a counter: the validator compares two readings)."""
+        ...
 
     async def engine_healthy(self, target_key: str) -> bool | None: ...
 
 
 class NoProbes:
-    async def p0_latency_s(self, target_key: str) -> float | None:
+    async def p0_refused(self, target_key: str) -> float | None:
         return None
 
     async def engine_healthy(self, target_key: str) -> bool | None:
@@ -85,9 +97,11 @@ class ValidatorService:
     async def handle(self, event: ReceivedEvent) -> None:
         message = event.message
         if isinstance(message, events_pb2.MetricSample):
-            fraction = memory_fraction(message)
-            if fraction is not None:
-                self.validator.observe_memory(event.key, seconds(message.meta.produced_at), fraction)
+            at = seconds(message.meta.produced_at)
+            if message.HasField("gpu") and message.gpu.total_bytes > 0:
+                self.validator.observe_gpu_memory(event.key, at, message.gpu.used_bytes / message.gpu.total_bytes)
+            if message.HasField("engine") and message.engine.tiers:
+                self.validator.observe_engine(event.key, engine_observation(message.engine, at))
         elif isinstance(message, events_pb2.OomEvent):
             self.validator.observe_oom(event.key, seconds(message.meta.produced_at))
         elif isinstance(message, events_pb2.ActionResult):
@@ -101,14 +115,18 @@ class ValidatorService:
         if await self._audit.verdict_for_action(result.action_id) is not None:
             return  # judged before a restart or a redelivery: one verdict per action
         applied_at = seconds(result.applied_at) if result.HasField("applied_at") else seconds(result.meta.produced_at)
+        promise = promise_terms(result.promise)
         pending = PendingAction(
             action_id=result.action_id,
             command_id=result.command_id,
             target_key=event.key,
             kind=kind,
             applied_at=applied_at,
-            settle_until=applied_at + settle_seconds(kind, self._settle_overrides),
-            watermark=result.target_memory_fraction or 1.0,
+            settle_until=applied_at + settle_seconds(kind, promise, self._settle_overrides),
+            promise=promise,
+            direction=events_pb2.ChangeDirection.Name(result.direction).removeprefix("CHANGE_DIRECTION_"),
+            detail=result.detail,
+            p0_refused_at_start=await self._probes.p0_refused(event.key) if promise.no_p0_refused else None,
             traceparent=header_value(list(event.headers), "traceparent") or "",
         )
         if self.validator.expect(pending):
@@ -118,11 +136,11 @@ class ValidatorService:
         """Judge every watch whose settle window has ended; returns how many."""
         due = self.validator.due(self._clock.now())
         for pending in due:
-            judgement = self.validator.judge(
-                pending,
-                p0_latency_s=await self._probes.p0_latency_s(pending.target_key),
+            probed = Probed(
                 engine_healthy=await self._probes.engine_healthy(pending.target_key),
+                p0_refused=await self._probes.p0_refused(pending.target_key) if pending.promise.no_p0_refused else None,
             )
+            judgement = self.validator.judge(pending, probed)
             parent = extract_headers([("traceparent", pending.traceparent.encode())] if pending.traceparent else [])
             token = otel_context.attach(parent)
             try:
@@ -144,6 +162,8 @@ class ValidatorService:
             command_id=pending.command_id,
             verdict=events_pb2.Verdict.Value(f"VERDICT_{judgement.outcome.value}"),
             trace_id=current_trace_id(),
+            kind=events_pb2.ActionKind.Value(f"ACTION_KIND_{pending.kind}"),
+            direction=events_pb2.ChangeDirection.Value(f"CHANGE_DIRECTION_{pending.direction}"),
         )
         verdict.settled_at.FromNanoseconds(int(now * 1e9))
         for check in judgement.checks:
@@ -183,6 +203,35 @@ class ValidatorService:
                 log.exception("judging failed; retrying next tick")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), tick_s)
+
+
+def promise_terms(promise: events_pb2.Promise) -> PromiseTerms:
+    return PromiseTerms(
+        settle_s=promise.settle_seconds,
+        p0_queue_wait_p90_s=promise.p0_queue_wait_p90_s if promise.HasField("p0_queue_wait_p90_s") else None,
+        no_p0_refused=promise.no_p0_refused,
+        engine_alive=promise.engine_alive,
+        no_oom=promise.no_oom,
+        gpu_memory_fraction_below=(
+            promise.gpu_memory_fraction_below if promise.HasField("gpu_memory_fraction_below") else None
+        ),
+        preemptions_per_s_below=promise.preemptions_per_s_below
+        if promise.HasField("preemptions_per_s_below")
+        else None,
+        running_at_most=promise.running_at_most if promise.HasField("running_at_most") else None,
+        effect=promise.effect,
+    )
+
+
+def engine_observation(engine: events_pb2.EngineLoad, at: float) -> EngineObservation:
+    p0 = next((t for t in engine.tiers if t.priority == common_pb2.PRIORITY_P0), None)
+    return EngineObservation(
+        at=at,
+        p0_queue_wait_p90_s=p0.queue_wait_p90_s if p0 is not None and p0.queue_wait_samples else None,
+        p0_oldest_wait_s=p0.oldest_wait_s if p0 is not None else 0.0,
+        preemptions=sum(t.preemptions for t in engine.tiers),
+        running=engine.num_requests_running,
+    )
 
 
 def _target_from_key(key: str) -> common_pb2.Target:

@@ -129,7 +129,7 @@ class Demo:
                 )
             )
             assert engine.control_address is not None
-            embedded = EmbeddedStack(StackConfig(run_dir=out / "stack", topic_prefix="", start_budget_s=10.0))
+            embedded = EmbeddedStack(StackConfig(run_dir=out / "stack", topic_prefix=""), progress=self.step)
             self.step("[3/6] starting the SITS admission processor and Envoy in front of the engine")
             envoy = await self._start_mesh(stack, engine, embedded, out)
             self.step("[4/6] starting Tansu, checking Redis, starting capture, decision, executor, validator")

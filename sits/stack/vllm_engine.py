@@ -2,13 +2,17 @@
 
 `make_random_llama(dir)` writes a small Llama-shaped model with random weights
 (head_dim 64: the CPU attention kernel rejects head_dim 16). `VllmServer` starts
-`python -m vllm.entrypoints.launchers.grpc_server` on it in its own process
-group, waits until the engine answers `HealthCheck`, and on exit terminates the
-whole group so no EngineCore process outlives it.
+vLLM's gRPC server on it in its own process group, waits until the engine
+answers `HealthCheck`, and on exit terminates the whole group so no EngineCore
+process outlives it.
 
-With `scheduler_cls` set to SITS's scheduler (the default), the engine also
-serves the SITS engine-control endpoint (`control_address`) from inside the
+With `scheduler_cls` set to SITS's scheduler (the default), the engine runs
+vLLM's priority policy, its gRPC server is started through the SITS launcher
+(`vllm_plugin.grpc_launcher`: request ids carry the tier Envoy routed by), and
+it serves the SITS engine-control endpoint (`control_address`) from inside the
 EngineCore process; `SITS_ENGINE_CONTROL_ADDR` tells the plugin where to bind.
+Without it (`scheduler_cls=None`) the engine is vLLM as it ships: FCFS, its
+own launcher, no SITS code: the baseline every SITS figure is measured against.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from sits.stack.procs import free_port
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_CACHE = REPO_ROOT / ".cache" / "sits-random-llama"
 SITS_SCHEDULER_CLS = "services.executor.vllm_plugin.scheduler.SitsScheduler"
+SITS_GRPC_LAUNCHER = "services.executor.vllm_plugin.grpc_launcher"
+VLLM_GRPC_LAUNCHER = "vllm.entrypoints.launchers.grpc_server"
 CONTROL_ADDR_ENV = "SITS_ENGINE_CONTROL_ADDR"
 
 # The shape FACTS.md verified on the CPU build; changing it invalidates the cache.
@@ -123,7 +129,7 @@ class VllmServer:
         args = [
             sys.executable,
             "-m",
-            "vllm.entrypoints.launchers.grpc_server",
+            SITS_GRPC_LAUNCHER if self.scheduler_cls else VLLM_GRPC_LAUNCHER,
             "--model",
             str(self.model_dir),
             "--host",
@@ -142,7 +148,7 @@ class VllmServer:
             "--enable-chunked-prefill",
         ]
         if self.scheduler_cls:
-            args += ["--scheduler-cls", self.scheduler_cls]
+            args += ["--scheduler-cls", self.scheduler_cls, "--scheduling-policy", "priority"]
         return args + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:

@@ -154,13 +154,17 @@ def test_an_oom_is_acted_on_with_its_root_cause(engine: DecisionEngine, clock: M
 def test_admit_refuses_what_does_not_fit_and_says_why(policy: Policy, clock: ManualClock) -> None:
     profile = EngineProfile(known_model("llama-3-8b"), max_model_len=32768)
     engine = DecisionEngine(policy, clock, profiles={"vllm-0": profile})
-    load = EngineLoad(kv_cache_usage=0.9, kv_blocks_total=1000, kv_blocks_used=900, block_size=16)
+    # 200 free blocks of 16 tokens; the default policy reserves 10% of the cache (100 blocks) for P0.
+    load = EngineLoad(kv_cache_usage=0.8, kv_blocks_total=1000, kv_blocks_used=800, block_size=16)
     engine.observe(make_sample(1.0, 0.7, engine=load))
     fits = engine.admit(TARGET, prompt_tokens=1000, max_tokens=200, priority=Priority.P1)
     assert fits.admitted and fits.kv_bytes_needed == 1200 * 131072
     refused = engine.admit(TARGET, prompt_tokens=1500, max_tokens=200)
     assert not refused.admitted
-    assert "GiB of KV" in refused.reason and refused.kv_bytes_free == 100 * 16 * 131072
+    assert "GiB of KV" in refused.reason and "reserved for P0" in refused.reason
+    assert refused.kv_bytes_free == 200 * 16 * 131072
+    # The same request at P0 may use the reserve: it fits.
+    assert engine.admit(TARGET, prompt_tokens=1500, max_tokens=200, priority=Priority.P0).admitted
     too_long = engine.admit(TARGET, prompt_tokens=40000, max_tokens=1)
     assert not too_long.admitted and "max model length" in too_long.reason
 

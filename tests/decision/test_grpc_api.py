@@ -41,12 +41,13 @@ async def served() -> AsyncIterator[Served]:
 
 async def test_admit_answers_from_the_latest_kv_figures(served: Served) -> None:
     engine, stub = served
-    engine.observe(make_sample(1.0, 0.6, engine=EngineLoad(kv_blocks_total=100, kv_blocks_used=90, block_size=16)))
+    # 20 free blocks, 10 of them reserved for P0 by the default policy.
+    engine.observe(make_sample(1.0, 0.6, engine=EngineLoad(kv_blocks_total=100, kv_blocks_used=80, block_size=16)))
     target = convert.target_to_pb(TARGET)
     ok = await stub.Admit(decision_pb2.AdmitRequest(target=target, prompt_tokens=100, max_tokens=50))
     assert ok.admitted and ok.kv_bytes_needed == 150 * 131072
     no = await stub.Admit(decision_pb2.AdmitRequest(target=target, prompt_tokens=1000, max_tokens=50))
-    assert not no.admitted and "is free" in no.reason
+    assert not no.admitted and "free KV beyond the 10 blocks reserved for P0" in no.reason
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Admit(decision_pb2.AdmitRequest(target=target, prompt_tokens=0, max_tokens=5))
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT

@@ -8,8 +8,8 @@ import pytest
 
 from services.executor import domain
 from services.executor.domain import BreakerPolicy, BreakerState, Limits, Tier
-from services.executor.engine_control_protocol import priority_tier_of_request_id
 from sits.runtime.clock import ManualClock
+from sits.runtime.engine_control import priority_tier_of_request_id
 from sits.v1 import common_pb2, events_pb2
 
 INFO = domain.EngineInfo(max_num_seqs=32, max_num_batched_tokens=512, block_size=128)
@@ -148,13 +148,91 @@ def test_p0_is_shed_last_and_admitted_first() -> None:
     assert limits[Tier.P0] == 1000 and limits[Tier.P1] == 1000 and limits[Tier.P2] == 5
 
 
-def test_restore_plans_per_kind() -> None:
-    before = events_pb2.ActionState(engine_limits=Limits(32, 512, 0, False).to_proto())
-    plan = domain.restore_plan(events_pb2.ACTION_KIND_SET_ENGINE_LIMITS, before, Limits(1, 128, 0, True))
-    assert plan.possible and plan.limits == Limits(32, 512, 0, False)
-    assert domain.restore_plan(events_pb2.ACTION_KIND_SET_PRESSURE, events_pb2.ActionState(), None).pressure == 0.0
-    assert not domain.restore_plan(events_pb2.ACTION_KIND_FLUSH_CACHE, before, None).possible
-    assert not domain.restore_plan(events_pb2.ACTION_KIND_ABORT_LOW_PRIORITY, before, None).possible
+def test_a_rollback_restores_only_the_fields_its_action_set_and_still_holds() -> None:
+    before = Limits(32, 512, 0, False).to_proto()
+    after = Limits(8, 256, 0, False).to_proto()
+    # Nothing replaced since: both fields go back.
+    restored, restore = domain.restore_limits(Limits(8, 256, 0, False), before, after)
+    assert restored == Limits(32, 512, 0, False)
+    assert len(restore.restored) == 2 and not restore.kept
+    # A later action cut the running cap to 4: that field belongs to it now; the token budget still goes back.
+    restored, restore = domain.restore_limits(Limits(4, 256, 0, True), before, after)
+    assert restored == Limits(4, 512, 0, True)
+    assert restore.kept == ("max_num_running_reqs (now 4)",)
+    # Fields the action did not change are never touched, whatever they hold now.
+    assert domain.restore_limits(Limits(8, 256, 128, True), before, after)[0] == Limits(32, 512, 128, True)
+
+
+def test_breaker_rollback_is_compare_and_set_per_tier() -> None:
+    now = 100.0
+    board = domain.apply_breaker_setting(
+        domain.BreakerBoard(), setting(common_pb2.PRIORITY_P2, events_pb2.BREAKER_STATE_OPEN, 0, 60), now, POLICY
+    )
+    before = domain.BreakerBoard().to_proto(now, POLICY)
+    after = board.to_proto(now, POLICY)
+    # A later action opened P1 too (which also holds P2 at 0): P2 is still as the first action left it.
+    later = domain.apply_breaker_setting(
+        board, setting(common_pb2.PRIORITY_P1, events_pb2.BREAKER_STATE_OPEN, 2, 60), now, POLICY
+    )
+    restored, restore = domain.restore_breakers(later, before, after, now, POLICY)
+    limits = domain.envoy_limits(restored, now, POLICY)
+    assert limits[Tier.P2] == 1000 and limits[Tier.P1] == 2, "P1 belongs to the later action"
+    assert [r.startswith("breaker P2") for r in restore.restored] == [True]
+    # A later action replaced P2 itself: nothing is restored.
+    replaced = domain.apply_breaker_setting(
+        board, setting(common_pb2.PRIORITY_P2, events_pb2.BREAKER_STATE_OPEN, 1, 60), now, POLICY
+    )
+    kept, restore = domain.restore_breakers(replaced, before, after, now, POLICY)
+    assert domain.envoy_limits(kept, now, POLICY)[Tier.P2] == 1 and not restore.restored
+
+
+def test_budget_rollback_only_while_the_budget_is_still_the_actions() -> None:
+    now = 50.0
+    mine = domain.TierBudgetRecord({Tier.P1: 3, Tier.P2: 0}, until=60.0, command_id="c2", lease_s=5.0)
+    before = events_pb2.ActionState(budget=[events_pb2.TierLimit(priority=common_pb2.PRIORITY_P1, max_requests=4)])
+    after = events_pb2.ActionState(budget=mine.to_proto())
+    limits, restore = domain.restore_budget(mine, before, after, now)
+    assert limits == {Tier.P1: 4} and restore.restored
+    newer = domain.TierBudgetRecord({Tier.P1: 2, Tier.P2: 0}, until=60.0, command_id="c3", lease_s=5.0)
+    limits, restore = domain.restore_budget(newer, before, after, now)
+    assert limits == {Tier.P1: 2, Tier.P2: 0} and not restore.restored and restore.kept
+    # Expired meanwhile (the defaults are in force): not the action's any more either.
+    assert not domain.restore_budget(mine, before, after, now=61.0)[1].restored
+
+
+def test_direction_of_an_action() -> None:
+    loose = events_pb2.ActionState(engine_limits=Limits(32, 512, 0, False).to_proto())
+    tight = events_pb2.ActionState(engine_limits=Limits(8, 512, 0, False).to_proto())
+    assert domain.direction(loose, tight) == events_pb2.CHANGE_DIRECTION_TIGHTEN
+    assert domain.direction(tight, loose) == events_pb2.CHANGE_DIRECTION_LOOSEN
+    assert domain.direction(loose, loose) == events_pb2.CHANGE_DIRECTION_NONE
+    paused = events_pb2.ActionState(engine_limits=Limits(32, 512, 0, True).to_proto())
+    assert domain.direction(loose, paused) == events_pb2.CHANGE_DIRECTION_TIGHTEN
+    capped_chunk = events_pb2.ActionState(engine_limits=Limits(32, 512, 256, False).to_proto())
+    assert domain.direction(loose, capped_chunk) == events_pb2.CHANGE_DIRECTION_TIGHTEN
+    no_budget = events_pb2.ActionState()
+    budget = events_pb2.ActionState(budget=[events_pb2.TierLimit(priority=common_pb2.PRIORITY_P2, max_requests=3)])
+    assert domain.direction(no_budget, budget) == events_pb2.CHANGE_DIRECTION_TIGHTEN
+    assert domain.direction(budget, no_budget) == events_pb2.CHANGE_DIRECTION_LOOSEN
+    mixed = events_pb2.ActionState(engine_limits=Limits(8, 1024, 0, False).to_proto())
+    assert domain.direction(loose, mixed) == events_pb2.CHANGE_DIRECTION_MIXED
+
+
+def test_budget_limits_are_checked() -> None:
+    ok = events_pb2.TierBudget(lease_seconds=5, limits=[events_pb2.TierLimit(priority=common_pb2.PRIORITY_P2)])
+    assert domain.budget_reasons(ok, POLICY) == []
+    p0 = events_pb2.TierBudget(lease_seconds=5, limits=[events_pb2.TierLimit(priority=common_pb2.PRIORITY_P0)])
+    assert "P0 is never limited" in domain.budget_reasons(p0, POLICY)[0]
+    no_lease = events_pb2.TierBudget(limits=[events_pb2.TierLimit(priority=common_pb2.PRIORITY_P1, max_requests=2)])
+    assert "lease_seconds" in domain.budget_reasons(no_lease, POLICY)[0]
+    huge = events_pb2.TierBudget(
+        lease_seconds=5, limits=[events_pb2.TierLimit(priority=common_pb2.PRIORITY_P1, max_requests=10**6)]
+    )
+    assert "max_requests must be in [0, 1000]" in domain.budget_reasons(huge, POLICY)[0]
+    # A budget holds the tier to the tighter of it and its breaker, and only while leased.
+    record = domain.TierBudgetRecord({Tier.P2: 2}, until=10.0)
+    assert domain.envoy_limits(domain.BreakerBoard(), 5.0, POLICY, record)[Tier.P2] == 2
+    assert domain.envoy_limits(domain.BreakerBoard(), 11.0, POLICY, record)[Tier.P2] == 1000
 
 
 def test_abort_victims_lowest_tier_newest_first() -> None:

@@ -60,7 +60,6 @@ async def test_one_trace_from_oom_report_to_verdict(
         run_dir=tmp_path,
         redis_url=redis_url,
         topic_prefix=topic_prefix,
-        start_budget_s=20.0,
         extra_env={
             "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint,
             "SITS_EXECUTOR_TARGETS": json.dumps(targets),

@@ -1,4 +1,5 @@
-"""`sits up` for real: every service SERVING within 5 s of its start, and Ctrl-C leaves no process."""
+"""`sits up` for real: every service SERVING, Ctrl-C leaves no process, and a service that cannot start fails it
+at once with its log (how fast services start is a machine's business, not a test's)."""
 
 from __future__ import annotations
 
@@ -58,9 +59,7 @@ def test_sits_up_serves_every_service_and_ctrl_c_leaves_nothing(tmp_path: Path) 
         text = log.read_text()
         assert "Ctrl-C stops everything" in text, text
         for name in ("capture", "decision", "executor", "validator"):
-            line = next(x for x in text.splitlines() if f"{name} SERVING" in x)
-            ready_s = float(line.split(" after ")[1].split(" s")[0])
-            assert ready_s < 5.0, line
+            assert any(f"{name} SERVING" in x for x in text.splitlines()), text
         children = descendants(proc.pid)
         assert len(children) >= 5, "tansu and the four services run as children"
         proc.send_signal(signal.SIGINT)
@@ -72,3 +71,24 @@ def test_sits_up_serves_every_service_and_ctrl_c_leaves_nothing(tmp_path: Path) 
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.timeout(120)
+def test_a_service_that_cannot_start_fails_sits_up_with_its_log(tmp_path: Path) -> None:
+    # Out of range: capture refuses it when it loads its settings, and exits.
+    env = {**os.environ, "COLUMNS": "200", "SITS_NVML_HZ": "1000"}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "sits.cli", "up", "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=110,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 2, done.stdout + done.stderr
+    output = done.stdout + done.stderr
+    assert "capture exited" in output and "before it was SERVING" in output, output
+    assert "SITS_NVML_HZ" in output, "the service's own log says which setting is wrong"
+    # It did not sit out the 90 s start budget (a generous bound: the other services start meanwhile).
+    assert took < 80, took

@@ -24,14 +24,17 @@ from tests.waiting import eventually
 TARGET = common_pb2.Target(host="h", gpu_uuid="GPU-1", engine="vllm-0")
 
 
-def result(action_id: str, applied_at: float, watermark: float) -> events_pb2.ActionResult:
+def result(
+    action_id: str, applied_at: float, watermark: float, direction: int = events_pb2.CHANGE_DIRECTION_LOOSEN
+) -> events_pb2.ActionResult:
     r = events_pb2.ActionResult(
         meta=new_meta("executor", TARGET, applied_at),
         action_id=action_id,
         command_id=f"cmd-{action_id}",
         kind=events_pb2.ACTION_KIND_SHED_PRIORITY,
         status=events_pb2.ACTION_STATUS_APPLIED,
-        target_memory_fraction=watermark,
+        direction=direction,  # type: ignore[arg-type]
+        promise=events_pb2.Promise(gpu_memory_fraction_below=watermark, no_oom=True),
     )
     r.applied_at.FromNanoseconds(int(applied_at * 1e9))
     return r
@@ -63,9 +66,13 @@ async def test_failed_promise_is_rolled_back_and_audited(settings: Settings, top
             stub = validator_pb2_grpc.ValidatorStub(channel)
             live = stub.StreamVerdicts(validator_pb2.StreamVerdictsRequest(target=TARGET))
 
-            # Two actions: "good" brings memory under its watermark, "bad" does not.
+            # "good" brings memory under its watermark; "bad" (an un-shed: it loosened) does not, and is
+            # undone; "cut" (it tightened) does not either, and is not undone: rolling it back would loosen.
             await producer.publish(topics.results, result("good", t0, watermark=0.9))
             await producer.publish(topics.results, result("bad", t0, watermark=0.5))
+            await producer.publish(
+                topics.results, result("cut", t0, watermark=0.5, direction=events_pb2.CHANGE_DIRECTION_TIGHTEN)
+            )
             for i in range(6):
                 await producer.publish(topics.metrics, sample(t0 + i, 0.8))
             consumer = EventConsumer(
@@ -78,18 +85,18 @@ async def test_failed_promise_is_rolled_back_and_audited(settings: Settings, top
             stop = asyncio.Event()
             async with consumer:
                 task = asyncio.create_task(consumer.run(stop))
-                assert await eventually(lambda: len(service.validator.pending) == 2)
+                assert await eventually(lambda: len(service.validator.pending) == 3)
                 # Let the samples arrive too, then move past the settle window.
-                assert await eventually(lambda: consumer.stats.handled + consumer.stats.coalesced >= 8)
+                assert await eventually(lambda: consumer.stats.handled + consumer.stats.coalesced >= 9)
                 assert await service.judge_due() == 0, "nothing is judged before its settle window ends"
                 clock.advance(5.0)
-                assert await service.judge_due() == 2
+                assert await service.judge_due() == 3
                 stop.set()
                 await task
 
-            streamed = [await asyncio.wait_for(live.read(), 5) for _ in range(2)]
+            streamed = [await asyncio.wait_for(live.read(), 5) for _ in range(3)]
             live.cancel()
-            assert {v.action_id for v in streamed} == {"good", "bad"}
+            assert {v.action_id for v in streamed} == {"good", "bad", "cut"}
 
             bad = await stub.GetVerdict(validator_pb2.GetVerdictRequest(action_id="bad"))
             good = await stub.GetVerdict(validator_pb2.GetVerdictRequest(action_id="good"))
@@ -97,8 +104,11 @@ async def test_failed_promise_is_rolled_back_and_audited(settings: Settings, top
             assert bad.rollback_command_id == "rollback-bad"
             assert good.verdict == events_pb2.VERDICT_CONFIRMED
             assert good.command_id == "cmd-good"
-            memory = next(c for c in bad.checks if c.name == "memory_below_watermark")
+            memory = next(c for c in bad.checks if c.name == "gpu_memory_below")
             assert memory.observed == pytest.approx(0.8) and memory.threshold == 0.5
+            cut = await stub.GetVerdict(validator_pb2.GetVerdictRequest(action_id="cut"))
+            assert cut.verdict == events_pb2.VERDICT_NOT_KEPT and not cut.rollback_command_id
+            assert cut.direction == events_pb2.CHANGE_DIRECTION_TIGHTEN
 
             listed = await stub.ListVerdicts(
                 validator_pb2.ListVerdictsRequest(target=TARGET, verdict=events_pb2.VERDICT_ROLLED_BACK)
@@ -122,6 +132,6 @@ async def test_failed_promise_is_rolled_back_and_audited(settings: Settings, top
     assert [c.command_id for c in rollbacks] == ["rollback-bad"]
     assert rollbacks[0].kind == events_pb2.ACTION_KIND_ROLLBACK
     assert rollbacks[0].rollback.action_id == "bad"
-    verdicts = await read_all(settings, topics.validation, 3, timeout_s=3)
+    verdicts = await read_all(settings, topics.validation, 4, timeout_s=3)
     ids = [events_pb2.ValidationVerdict.FromString(r.value).verdict_id for r in verdicts]
-    assert sorted(ids) == ["verdict-bad", "verdict-good"]
+    assert sorted(ids) == ["verdict-bad", "verdict-cut", "verdict-good"]

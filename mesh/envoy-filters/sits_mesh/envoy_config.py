@@ -166,6 +166,20 @@ def _forward(cluster: str) -> dict[str, Any]:
     return {"cluster": cluster, "timeout": "0s"}
 
 
+def _routed_tier(policy: MeshPolicy, priority: PriorityName) -> list[dict[str, Any]]:
+    """The tier header, overwritten with the tier this route sends the request as.
+
+    The engine (the SITS gRPC launcher) trusts this header for the request's priority: whatever a
+    client wrote there or in its request id, it runs as the tier Envoy routed it by.
+    """
+    return [
+        {
+            "header": {"key": policy.priorities.header, "value": priority},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        }
+    ]
+
+
 def routes(policy: MeshPolicy) -> list[dict[str, Any]]:
     """Shed routes first (runtime fraction, default 0%), then one pair per priority, then the default."""
     generate = policy.admission.generate_path
@@ -195,13 +209,20 @@ def routes(policy: MeshPolicy) -> list[dict[str, Any]]:
         if headers:
             generate_match["headers"] = headers
             other_match["headers"] = headers
-        other: dict[str, Any] = {"name": f"{name}_other", "match": other_match, "route": _forward(cluster)}
+        tier = _routed_tier(policy, priority)
+        other: dict[str, Any] = {
+            "name": f"{name}_other",
+            "match": other_match,
+            "route": _forward(cluster),
+            "request_headers_to_add": tier,
+        }
         if admission:
             other["typed_per_filter_config"] = _no_ext_proc()
         generate_route: dict[str, Any] = {
             "name": f"{name}_generate",
             "match": generate_match,
             "route": _forward(cluster),
+            "request_headers_to_add": tier,
         }
         if not admission:
             return [generate_route, other]
@@ -212,6 +233,7 @@ def routes(policy: MeshPolicy) -> list[dict[str, Any]]:
             "name": f"{name}_generate_bypass",
             "match": {**generate_match, "runtime_fraction": _runtime_percent(0, ADMISSION_BYPASS_KEY)},
             "route": _forward(cluster),
+            "request_headers_to_add": tier,
             "typed_per_filter_config": _no_ext_proc(),
         }
         return [bypass, generate_route, other]

@@ -6,6 +6,7 @@ reads only the engine's latest KV block figures and the engine's profile.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from services.decision.domain.kv_model import ModelShape
@@ -57,11 +58,20 @@ def decide(
     engine: EngineLoad | None,
     profile: EngineProfile | None,
     memory_at_limit: bool,
+    p0_reserved_kv_fraction: float = 0.0,
 ) -> AdmitDecision:
+    """Admit or refuse one request by the KV it needs, by tier.
+
+    A request that needs more blocks than the whole cache holds can never run: refused, any tier.
+    P0 may take the blocks lower tiers hold (the SITS scheduler preempts them for it), so it is
+    refused only when its own request does not fit in what is free plus what they hold. P1 and P2
+    are kept out of a share of the cache reserved for P0 (`p0_reserved_kv_fraction`).
+    """
     check_request(prompt_tokens, max_tokens)
     tokens = prompt_tokens + max_tokens
     per_token = profile.kv_bytes_per_token if profile is not None else 0
     needed = tokens * per_token
+    is_p0 = priority == Priority.P0
     if profile is not None and profile.max_model_len is not None and tokens > profile.max_model_len:
         return AdmitDecision(
             False,
@@ -70,22 +80,39 @@ def decide(
             0,
         )
     if engine is None or engine.kv_blocks_total <= 0 or engine.block_size <= 0:
-        if memory_at_limit and priority != Priority.P0:
+        if memory_at_limit and not is_p0:
             return AdmitDecision(False, "device memory is at the policy's limit; only P0 is admitted", needed, 0)
         return AdmitDecision(True, "no KV block figures for this engine yet; admitted", needed, 0)
-    free_blocks = engine.kv_blocks_total - engine.kv_blocks_used
-    free_tokens = free_blocks * engine.block_size
-    free = free_tokens * per_token
-    need_blocks = -(-tokens // engine.block_size)
-    if need_blocks > free_blocks:
+    block = engine.block_size
+    total_blocks = engine.kv_blocks_total
+    free_blocks = total_blocks - engine.kv_blocks_used
+    need_blocks = -(-tokens // block)
+
+    def refuse(what: str, available_blocks: int) -> AdmitDecision:
+        available = available_blocks * block * per_token
         if per_token:
             reason = (
-                f"the request needs {_gib(needed)} of KV ({tokens} tokens) and {_gib(free)} "
-                f"({free_tokens} tokens) is free"
+                f"the request needs {_gib(needed)} of KV ({tokens} tokens) and {what} holds "
+                f"{_gib(available)} ({available_blocks * block} tokens)"
             )
         else:
-            reason = f"the request needs {need_blocks} KV blocks ({tokens} tokens) and {free_blocks} are free"
-        return AdmitDecision(False, reason, needed, free)
-    if memory_at_limit and priority != Priority.P0:
+            reason = f"the request needs {need_blocks} KV blocks ({tokens} tokens) and {what} holds {available_blocks}"
+        return AdmitDecision(False, reason, needed, free_blocks * block * per_token)
+
+    if need_blocks > total_blocks:
+        return refuse("the engine's whole KV cache", total_blocks)
+    free = free_blocks * block * per_token
+    if is_p0:
+        lower_held = sum(t.kv_blocks for t in engine.tiers if t.tier > 0)
+        available_blocks = free_blocks + lower_held
+        if need_blocks > available_blocks:
+            return refuse("what is free plus what lower tiers hold", available_blocks)
+        return AdmitDecision(True, f"fits: {need_blocks} of {available_blocks} KV blocks P0 can use", needed, free)
+    reserve = math.ceil(p0_reserved_kv_fraction * total_blocks)
+    available_blocks = max(0, free_blocks - reserve)
+    if need_blocks > available_blocks:
+        what = f"free KV beyond the {reserve} blocks reserved for P0" if reserve else "free KV"
+        return refuse(what, available_blocks)
+    if memory_at_limit:
         return AdmitDecision(False, "device memory is at the policy's limit; only P0 is admitted", needed, free)
-    return AdmitDecision(True, f"fits: {need_blocks} of {free_blocks} free KV blocks", needed, free)
+    return AdmitDecision(True, f"fits: {need_blocks} of {available_blocks} free KV blocks", needed, free)

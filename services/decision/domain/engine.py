@@ -14,6 +14,15 @@ from dataclasses import dataclass, field
 
 from services.decision.domain import admission
 from services.decision.domain.admission import AdmitDecision, EngineProfile
+from services.decision.domain.controller import (
+    BudgetCommand,
+    BudgetState,
+    ControlSettings,
+    EngineSignals,
+    Move,
+    TierController,
+    TierSignal,
+)
 from services.decision.domain.policy import (
     AbortLowPriority,
     Action,
@@ -34,6 +43,7 @@ from services.decision.domain.types import (
     OomEvent,
     PlannedCommand,
     Priority,
+    Promise,
     RootCause,
     RootCauseKind,
     Sample,
@@ -45,6 +55,9 @@ from sits.runtime.clock import Clock
 COMMAND_NAMESPACE = uuid.UUID("5e1c7a2e-0d6f-4b0e-9a55-3f1f6a1c0b7e")
 MAX_TARGETS = 10_000
 MAX_SEEN_OOMS = 1024
+MAX_TRACKED_COMMANDS = 4096
+# Kinds whose promise is P0's objective: they change who gets into the engine.
+ADMISSION_KINDS = frozenset({ActionKind.SHED_PRIORITY, ActionKind.SET_TIER_BUDGET})
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +98,31 @@ class _TargetState:
     pending_clear: dict[str, Rule] = field(default_factory=dict)
     last_command: PlannedCommand | None = None
     ooms: int = 0
+    last_oom_t: float = -math.inf
+    budget: BudgetState = field(default_factory=BudgetState)
+
+
+@dataclass(frozen=True, slots=True)
+class ActionOutcome:
+    """What the decision reads of an ActionResult."""
+
+    command_id: str
+    action_id: str
+    status: str
+    rolled_back_action_id: str = ""
+    t: float = 0.0
+    # The tier budget in force after it (None: Envoy's defaults, or not a budget action).
+    budget: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Issued:
+    """What the decision remembers of a command it sent, to act on its verdict or result."""
+
+    target_key: str
+    rule: str
+    clearing: bool
+    controller: bool
 
 
 @dataclass(slots=True)
@@ -112,6 +150,9 @@ class DecisionEngine:
         self._last_command_t: dict[str, float] = {}
         self._rule_fired_t: dict[tuple[str, str], float] = {}
         self._seen_ooms: dict[str, None] = {}
+        self._issued: dict[str, _Issued] = {}
+        # action id -> command id, for results that name the action (rollbacks).
+        self._actions: dict[str, str] = {}
         self.drops = DropCounter()
         self.set_policy(policy)
 
@@ -124,6 +165,29 @@ class DecisionEngine:
     def set_policy(self, policy: Policy) -> None:
         self._policy = policy
         spec = policy.spec
+        c = spec.controller
+        self._controller = TierController(
+            ControlSettings(
+                enabled=c.enabled,
+                tick_s=c.tick_s,
+                p0_queue_wait_p90_s=c.p0_queue_wait_p90_s,
+                lookahead=c.lookahead,
+                budget_min=c.budget_min,
+                decrease_factor=c.decrease_factor,
+                increase_step=c.increase_step,
+                p1_share=c.p1_share,
+                engage_ticks=c.engage_ticks,
+                release_after_s=c.release_after_s,
+                lease_s=c.lease_s,
+                backoff_s=c.backoff_s,
+                max_backoff_s=c.max_backoff_s,
+                drain_backlog=c.drain_backlog,
+                settle_min_s=c.settle_min_s,
+                settle_max_s=c.settle_max_s,
+                max_signal_age_s=c.max_signal_age_s,
+                no_loosen_after_oom_s=c.no_loosen_after_oom_s,
+            )
+        )
         self._sample_rules = tuple(r for r in spec.rules if not r.when.on_oom)
         self._oom_rules = tuple(r for r in spec.rules if r.when.on_oom)
         self._needs_root_cause = any(r.when.root_cause_in for r in spec.rules)
@@ -189,6 +253,8 @@ class DecisionEngine:
             return []
         state = self._state(oom.target)
         state.ooms += 1
+        state.last_oom_t = max(state.last_oom_t, oom.t)
+        self._controller.on_oom(state.budget, oom.t)
         state.root_cause = classify(
             list(state.window.samples), kv_bytes_per_token=self._bytes_per_token(state), oom_allocator=oom.allocator
         )
@@ -246,6 +312,10 @@ class DecisionEngine:
             return False
         if when.fragmentation_above is not None and not fc.fragmentation > when.fragmentation_above - margin:
             return False
+        if when.kv_time_to_full_below_s is not None:
+            limit = when.kv_time_to_full_below_s + (defaults.hysteresis_s if relaxed else 0.0)
+            if fc.kv_time_to_full_s is None or fc.kv_time_to_full_s >= limit:
+                return False
         if when.time_to_limit_below_s is not None:
             limit = when.time_to_limit_below_s + (defaults.hysteresis_s if relaxed else 0.0)
             if fc.time_to_limit_s is None or fc.time_to_limit_s >= limit:
@@ -282,7 +352,10 @@ class DecisionEngine:
                 if oom is None:
                     state.latched[name] = t
                 state.pending_clear.pop(name, None)
+        after_oom = t < state.last_oom_t + self._policy.spec.controller.no_loosen_after_oom_s
         for name, rule in list(state.pending_clear.items()):
+            if after_oom:
+                break  # an undo loosens; after an OOM it waits (it stays pending)
             planned = self._plan(state, rule, rule.on_clear, t, cause_event_id, claimed, None, clearing=True)
             if planned:
                 commands.extend(planned)
@@ -327,12 +400,14 @@ class DecisionEngine:
                     COMMAND_NAMESPACE, f"{target.key}|{rule.name}|{kind.value}|{cause_event_id}|{t!r}|{clearing}"
                 )
             )
+            params = self._params(state, action)
+            self._remember(command_id, _Issued(state.target.key, rule.name, clearing, controller=False))
             planned.append(
                 PlannedCommand(
                     command_id=command_id,
                     target=target,
                     kind=kind,
-                    params=self._params(state, action),
+                    params=params,
                     reason=reason,
                     evidence=evidence,
                     rule=rule.name,
@@ -342,6 +417,7 @@ class DecisionEngine:
                     deadline=now + defaults.deadline_s,
                     cause_event_id=cause_event_id,
                     root_cause=state.root_cause,
+                    promise=self._promise(kind, params, rule, target_engine=bool(target.engine)),
                 )
             )
             self._last_command_t[target.key] = t
@@ -415,6 +491,8 @@ class DecisionEngine:
                 value = getattr(action, name)
                 if value is not None:
                     params[name] = value
+            if action.restore_defaults:
+                params = {"restore_defaults": True}
             return params
         if isinstance(action, ShedPriority):
             return {
@@ -439,6 +517,160 @@ class DecisionEngine:
             return {"tenant_bytes": tenants, "dry_run": action.dry_run}
         return {}
 
+    def _promise(self, kind: ActionKind, params: Mapping[str, object], rule: Rule, target_engine: bool) -> Promise:
+        """What an action of a rule promises the validator (docs/control.md, "Promises")."""
+        spec = self._policy.spec
+        if kind in ADMISSION_KINDS:
+            return Promise(
+                p0_queue_wait_p90_s=spec.controller.p0_queue_wait_p90_s,
+                no_p0_refused=True,
+                engine_alive=target_engine,
+            )
+        if kind is ActionKind.SET_ENGINE_LIMITS:
+            cap = params.get("max_num_running_reqs")
+            return Promise(
+                settle_s=spec.promises.engine_limits_settle_s,
+                engine_alive=True,
+                # A memory rule promises memory under the line the forecast calls OOM; judged on GPU memory only.
+                gpu_memory_fraction_below=(
+                    spec.forecast.limit_fraction if rule.when.time_to_limit_below_s is not None else None
+                ),
+                preemptions_per_s_below=spec.promises.max_preemptions_per_s,
+                running_at_most=int(cap) if isinstance(cap, int) else None,
+            )
+        effects = {
+            ActionKind.ABORT_LOW_PRIORITY: "the lowest tiers' streams aborted, P0 untouched",
+            ActionKind.FLUSH_CACHE: "the prefix cache flushed",
+            ActionKind.PAUSE_ADMISSION: "no request admitted while paused",
+            ActionKind.RESUME_ADMISSION: "admission open again",
+            ActionKind.MIG_REBALANCE: "the MIG plan applied or recorded as a dry run",
+            ActionKind.SET_PRESSURE: "Envoy's overload pressure set",
+        }
+        return Promise(engine_alive=target_engine, effect=effects.get(kind, ""))
+
+    def _remember(self, command_id: str, issued: _Issued) -> None:
+        self._issued[command_id] = issued
+        if len(self._issued) > MAX_TRACKED_COMMANDS:
+            del self._issued[next(iter(self._issued))]
+
+    # ------------------------------------------------------------------ controller
+
+    def tick(self, now: float) -> list[PlannedCommand]:
+        """One controller tick over every engine whose plugin reports its tiers."""
+        commands: list[PlannedCommand] = []
+        for state in self._states.values():
+            engine = state.window.latest_plugin
+            signals = None
+            if engine is not None:
+                signals = EngineSignals(
+                    t=state.window.latest_plugin_t,
+                    tiers={
+                        t.tier: TierSignal(
+                            running=t.running,
+                            waiting=t.waiting,
+                            oldest_wait_s=t.oldest_wait_s,
+                            queue_wait_p50_s=t.queue_wait_p50_s,
+                            queue_wait_p90_s=t.queue_wait_p90_s,
+                            queue_wait_samples=t.queue_wait_samples,
+                            preemptions=t.preemptions,
+                            scheduled=t.scheduled,
+                        )
+                        for t in engine.tiers
+                    },
+                    running_cap=engine.running_cap or engine.max_num_seqs or engine.num_requests_running,
+                )
+            elif state.budget.budget is None:
+                continue
+            wanted = self._controller.tick(state.budget, signals, now)
+            if wanted is not None:
+                command = self._budget_command(state, wanted, now)
+                if wanted.move is not Move.RENEW:
+                    self._controller.expect_verdict(state.budget, command.command_id)
+                    state.last_command = command
+                commands.append(command)
+        return commands
+
+    def _budget_command(self, state: _TargetState, wanted: BudgetCommand, now: float) -> PlannedCommand:
+        c = self._policy.spec.controller
+        key = state.target.key
+        command_id = str(uuid.uuid5(COMMAND_NAMESPACE, f"{key}|controller|{wanted.move.value}|{now!r}"))
+        self._remember(command_id, _Issued(key, "controller", wanted.move.loosens, controller=True))
+        limits = {str(tier): n for tier, n in sorted(wanted.limits.items())}
+        budget = "defaults" if wanted.budget is None else str(wanted.budget)
+        evidence = tuple(
+            Evidence(f"p{t.tier}_queue_wait_p90_s", round(t.queue_wait_p90_s, 4), f"waiting {t.waiting}")
+            for t in (state.window.latest_plugin.tiers if state.window.latest_plugin is not None else ())
+        )
+        return PlannedCommand(
+            command_id=command_id,
+            target=state.target,
+            kind=ActionKind.SET_TIER_BUDGET,
+            params={
+                "budget": wanted.budget,
+                "limits": {int(t): n for t, n in limits.items()},
+                "lease_s": c.lease_s,
+                "drain_backlog": wanted.drain_backlog,
+            },
+            reason=f"controller {wanted.move.value}: lower-tier budget {budget} ({wanted.reason})",
+            evidence=evidence,
+            rule="controller",
+            policy_version=self._policy.version,
+            target_memory_fraction=0.0,
+            issued_at=now,
+            deadline=now + min(self._policy.spec.defaults.deadline_s, c.lease_s),
+            promise=Promise(
+                settle_s=wanted.settle_s,
+                p0_queue_wait_p90_s=c.p0_queue_wait_p90_s,
+                no_p0_refused=True,
+                engine_alive=True,
+            ),
+        )
+
+    def observe_verdict(self, command_id: str, outcome: str, t: float) -> None:
+        """A verdict on a command this engine sent: the controller backs off, a rule escalates or re-latches."""
+        issued = self._issued.get(command_id)
+        if issued is None:
+            return
+        state = self._states.get(issued.target_key)
+        if state is None:
+            return
+        if issued.controller:
+            self._controller.on_verdict(state.budget, command_id, outcome, t)
+            return
+        if outcome == "NOT_KEPT" and not issued.clearing:
+            # The cut did not keep its promise: let the rule fire again (its next stage) once its cooldown allows.
+            state.latched.pop(issued.rule, None)
+        elif outcome == "ROLLED_BACK" and issued.clearing:
+            # The undo was undone: the rule's action is in force again, so it must clear again to undo it.
+            state.latched[issued.rule] = t
+
+    def observe_result(self, outcome: ActionOutcome) -> None:
+        """An executor result: which action carried out a command, and state changed behind the decision's back
+        (a rollback, an expired lease)."""
+        if outcome.status == "APPLIED":
+            if outcome.command_id in self._issued:
+                self._actions[outcome.action_id] = outcome.command_id
+                if len(self._actions) > MAX_TRACKED_COMMANDS:
+                    del self._actions[next(iter(self._actions))]
+            return
+        if outcome.status == "ROLLED_BACK":
+            command_id = self._actions.get(outcome.rolled_back_action_id, "")
+        elif outcome.status == "EXPIRED":
+            command_id = outcome.command_id
+        else:
+            return
+        issued = self._issued.get(command_id)
+        state = self._states.get(issued.target_key) if issued is not None else None
+        if issued is None or state is None:
+            return
+        if outcome.status == "ROLLED_BACK":
+            if issued.controller:
+                self._controller.on_rollback(state.budget, outcome.budget)
+        elif issued.controller:
+            self._controller.on_expired(state.budget)
+        else:
+            state.latched.pop(issued.rule, None)
+
     # ------------------------------------------------------------------ queries
 
     def admit(
@@ -446,15 +678,17 @@ class DecisionEngine:
     ) -> AdmitDecision:
         state = self._states.get(target.key)
         profile = self._profiles.get(target.engine)
+        reserve = self._policy.spec.admission.p0_reserved_kv_fraction
         if state is None:
-            return admission.decide(prompt_tokens, max_tokens, priority, None, profile, False)
+            return admission.decide(prompt_tokens, max_tokens, priority, None, profile, False, reserve)
         return admission.decide(
             prompt_tokens,
             max_tokens,
             priority,
-            state.window.latest_engine,
+            state.window.latest_plugin or state.window.latest_engine,
             profile,
             state.forecast.time_to_limit_s == 0.0,
+            reserve,
         )
 
     def explain(self, target: Target) -> Explanation | None:

@@ -63,6 +63,71 @@ class Defaults(_Strict):
     root_cause_interval_s: float = Field(default=5.0, gt=0.0, le=600.0)
 
 
+class ControllerSettings(_Strict):
+    """The tier controller (services/decision/domain/controller.py; docs/control.md)."""
+
+    enabled: bool = True
+    # The controller runs on this fixed tick, whatever the rate of samples.
+    tick_s: float = Field(default=0.5, ge=0.05, le=60.0)
+    # P0's objective: its queue wait p90 inside the engine (arrival to first scheduled step).
+    p0_queue_wait_p90_s: float = Field(default=0.1, gt=0.0, le=600.0)
+    # Lower-tier streams allowed to wait beyond the engine's running cap: the budget's ceiling
+    # is the cap plus this.
+    lookahead: int = Field(default=2, ge=0, le=10_000)
+    budget_min: int = Field(default=1, ge=0, le=100_000)
+    decrease_factor: float = Field(default=0.5, gt=0.0, lt=1.0)
+    increase_step: int = Field(default=1, ge=1, le=10_000)
+    # Share of the ceiling P1 keeps before P2 gets any: a cut comes out of P2 first.
+    p1_share: Fraction = 0.6
+    # Consecutive saturated ticks (a queue beyond the lookahead, or P0's objective missed) before
+    # the lower tiers are limited at all.
+    engage_ticks: int = Field(default=2, ge=1, le=1000)
+    # A budget at its ceiling and unused this long hands Envoy back its defaults.
+    release_after_s: float = Field(default=15.0, ge=0.0, le=86400.0)
+    # Each command holds this long unless the next tick renews it (at a third of it).
+    lease_s: float = Field(default=5.0, gt=0.0, le=3600.0)
+    # After a rolled-back increase, no increase for this long (doubling, up to max_backoff_s).
+    backoff_s: float = Field(default=20.0, ge=0.0, le=86400.0)
+    max_backoff_s: float = Field(default=300.0, ge=0.0, le=86400.0)
+    # Abort lower-tier requests waiting in the engine beyond a cut (newest first).
+    drain_backlog: bool = True
+    # The settle window of a change is its expected drain time, clamped to these.
+    settle_min_s: float = Field(default=2.0, gt=0.0, le=3600.0)
+    settle_max_s: float = Field(default=30.0, gt=0.0, le=3600.0)
+    # Signals older than this are not acted on (the lease then runs out).
+    max_signal_age_s: float = Field(default=3.0, gt=0.0, le=3600.0)
+    # After an OOM on the engine, nothing is loosened for this long.
+    no_loosen_after_oom_s: float = Field(default=60.0, ge=0.0, le=86400.0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ControllerSettings:
+        if self.lease_s < 2 * self.tick_s:
+            raise ValueError("lease_s must be at least two ticks (2 x tick_s), or the lease runs out between renewals")
+        if self.settle_min_s > self.settle_max_s:
+            raise ValueError("settle_min_s must not exceed settle_max_s")
+        if self.max_backoff_s < self.backoff_s:
+            raise ValueError("max_backoff_s must not be below backoff_s")
+        if self.max_signal_age_s < self.tick_s:
+            raise ValueError("max_signal_age_s must be at least one tick")
+        return self
+
+
+class Promises(_Strict):
+    """What engine-limit actions promise (the controller's and sheds' promise is P0's objective)."""
+
+    # No preemption storm: preemptions per second after the settle window at most this.
+    max_preemptions_per_s: float = Field(default=5.0, ge=0.0, le=1e6)
+    # Settle window of engine-limit actions (the drain of what the cut preempted or held back).
+    engine_limits_settle_s: float = Field(default=5.0, gt=0.0, le=3600.0)
+
+
+class AdmissionSettings(_Strict):
+    """Per-request admission by KV (Decision/Admit, asked by the mesh's processor)."""
+
+    # Share of the engine's KV cache P1 and P2 may not use, so a P0 request finds room.
+    p0_reserved_kv_fraction: Fraction = 0.1
+
+
 class Tiers(_Strict):
     default: TierName = "P1"
     engines: dict[str, TierName] = Field(default_factory=dict)
@@ -77,6 +142,8 @@ class Conditions(_Strict):
     time_to_limit_below_s: float | None = Field(default=None, gt=0.0, le=3600.0)
     min_confidence: Fraction | None = None
     kv_usage_above: Fraction | None = None
+    # The engine's KV pool forecast to fill within this many seconds (the KV-usage trend).
+    kv_time_to_full_below_s: float | None = Field(default=None, gt=0.0, le=3600.0)
     fragmentation_above: Fraction | None = None
     root_cause_in: tuple[str, ...] | None = None
     tier_in: tuple[TierName, ...] | None = None
@@ -102,13 +169,14 @@ class Conditions(_Strict):
                 "memory_fraction_above",
                 "time_to_limit_below_s",
                 "kv_usage_above",
+                "kv_time_to_full_below_s",
                 "fragmentation_above",
                 "root_cause_in",
             )
         ):
             raise ValueError(
                 "a rule needs at least one condition (on_oom, memory_fraction_above, "
-                "time_to_limit_below_s, kv_usage_above, fragmentation_above, root_cause_in)"
+                "time_to_limit_below_s, kv_usage_above, kv_time_to_full_below_s, fragmentation_above, root_cause_in)"
             )
         return self
 
@@ -126,11 +194,15 @@ class SetEngineLimits(_Action):
     max_num_scheduled_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
     max_prefill_chunk_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
     admission_paused: bool | None = None
+    # Back to the engine's start-up limits (what an on_clear undoes a cut with).
+    restore_defaults: bool = False
 
     @model_validator(mode="after")
     def _one_limit(self) -> SetEngineLimits:
         if self.max_num_running_reqs is not None and self.max_num_running_reqs_factor is not None:
             raise ValueError("give max_num_running_reqs or max_num_running_reqs_factor, not both")
+        if self.restore_defaults:
+            return self
         if all(
             v is None
             for v in (
@@ -141,7 +213,7 @@ class SetEngineLimits(_Action):
                 self.admission_paused,
             )
         ):
-            raise ValueError("SET_ENGINE_LIMITS needs at least one limit")
+            raise ValueError("SET_ENGINE_LIMITS needs at least one limit (or restore_defaults: true)")
         return self
 
 
@@ -246,6 +318,9 @@ class Rule(_Strict):
 class PolicySpec(_Strict):
     forecast: ForecastSettings = Field(default_factory=ForecastSettings)
     defaults: Defaults = Field(default_factory=Defaults)
+    controller: ControllerSettings = Field(default_factory=ControllerSettings)
+    promises: Promises = Field(default_factory=Promises)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     tiers: Tiers = Field(default_factory=Tiers)
     rules: tuple[Rule, ...] = Field(min_length=1)
 

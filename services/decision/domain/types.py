@@ -44,6 +44,22 @@ class ProcessMemory:
 
 
 @dataclass(frozen=True, slots=True)
+class TierLoad:
+    """One tier's queueing inside the engine (the SITS scheduler plugin's signals)."""
+
+    tier: int
+    running: int = 0
+    waiting: int = 0
+    oldest_wait_s: float = 0.0
+    queue_wait_p50_s: float = 0.0
+    queue_wait_p90_s: float = 0.0
+    queue_wait_samples: int = 0
+    preemptions: int = 0
+    scheduled: int = 0
+    kv_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class EngineLoad:
     kv_cache_usage: float = 0.0
     num_requests_running: int = 0
@@ -55,6 +71,13 @@ class EngineLoad:
     kv_blocks_used: int = 0
     block_size: int = 0
     lora_adapters_loaded: int = 0
+    # From the SITS plugin: per-tier queueing, the live running cap and the engine's slot count.
+    tiers: tuple[TierLoad, ...] = ()
+    running_cap: int = 0
+    max_num_seqs: int = 0
+
+    def tier(self, tier: int) -> TierLoad | None:
+        return next((t for t in self.tiers if t.tier == tier), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +136,7 @@ class ActionKind(enum.Enum):
     PAUSE_ADMISSION = "PAUSE_ADMISSION"
     RESUME_ADMISSION = "RESUME_ADMISSION"
     MIG_REBALANCE = "MIG_REBALANCE"
+    SET_TIER_BUDGET = "SET_TIER_BUDGET"
 
 
 class RootCauseKind(enum.Enum):
@@ -160,6 +184,21 @@ class Forecast:
 
 
 @dataclass(frozen=True, slots=True)
+class Promise:
+    """What an action promises the validator (sits.v1.Promise); unset parts are not checked."""
+
+    settle_s: float = 0.0
+    p0_queue_wait_p90_s: float | None = None
+    no_p0_refused: bool = False
+    engine_alive: bool = True
+    no_oom: bool = True
+    gpu_memory_fraction_below: float | None = None
+    preemptions_per_s_below: float | None = None
+    running_at_most: int | None = None
+    effect: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class PlannedCommand:
     """A HealingCommand before it is given an envelope (event meta, trace link)."""
 
@@ -177,3 +216,4 @@ class PlannedCommand:
     cause_event_id: str = ""
     trace_id: str = ""
     root_cause: RootCause = field(default=NO_ROOT_CAUSE)
+    promise: Promise = field(default_factory=Promise)

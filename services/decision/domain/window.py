@@ -13,7 +13,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
 
 from services.decision.domain.forecast import EnvelopeTrend
-from services.decision.domain.types import AllocatorStats, EngineLoad, GpuMemory, Sample
+from services.decision.domain.types import AllocatorStats, EngineLoad, GpuMemory, Sample, TierLoad
 
 # Sample clocks of different sources on one host may disagree by a little.
 ORDER_TOLERANCE_S = 0.05
@@ -102,7 +102,21 @@ def _bad_engine(engine: EngineLoad) -> bool:
     )
     if any(_bad_count(c) for c in counts):
         return True
+    if any(_bad_tier(t) for t in engine.tiers):
+        return True
     return engine.kv_blocks_total > 0 and engine.kv_blocks_used > engine.kv_blocks_total
+
+
+def _bad_tier(tier: TierLoad) -> bool:
+    if tier.tier not in (0, 1, 2):
+        return True
+    waits = (tier.oldest_wait_s, tier.queue_wait_p50_s, tier.queue_wait_p90_s)
+    if any(not (math.isfinite(w) and 0.0 <= w <= 86_400.0) for w in waits):
+        return True
+    return any(
+        _bad_count(c)
+        for c in (tier.running, tier.waiting, tier.queue_wait_samples, tier.preemptions, tier.scheduled, tier.kv_blocks)
+    )
 
 
 def _bad_allocator(allocator: AllocatorStats, gpu: GpuMemory | None) -> bool:
@@ -147,6 +161,10 @@ class TargetWindow:
         self.accepted = 0
         self.latest_gpu: GpuMemory | None = None
         self.latest_engine: EngineLoad | None = None
+        # The latest reading of the SITS plugin (tiers, limits, exact KV blocks): other engine sources
+        # (GetLoads, KV events, /metrics) interleave with it and carry none of that.
+        self.latest_plugin: EngineLoad | None = None
+        self.latest_plugin_t = -math.inf
         self.latest_allocator: AllocatorStats | None = None
         self.latest_t = -math.inf
         self._gpu_t = -math.inf
@@ -197,6 +215,9 @@ class TargetWindow:
             self.memory.add(t, gpu.used_bytes / gpu.total_bytes)
         if sample.engine is not None:
             self.latest_engine = sample.engine
+            if sample.engine.tiers:
+                self.latest_plugin = sample.engine
+                self.latest_plugin_t = t
             self.kv_usage.add(t, sample.engine.kv_cache_usage)
         if sample.allocator is not None:
             self.latest_allocator = sample.allocator

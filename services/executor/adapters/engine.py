@@ -15,8 +15,8 @@ import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
 
-from services.executor import engine_control_protocol as protocol
 from services.executor.domain import EngineInfo, InFlightRequest, Limits
+from sits.runtime import engine_control as protocol
 
 
 class EngineUnavailable(RuntimeError):

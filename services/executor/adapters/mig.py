@@ -15,11 +15,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.executor.actions.base import InvalidCommand
 from services.executor.mig.action import Drainer, MigRebalanceRefused, rebalance, restore
 from services.executor.mig.nvml_applier import NvmlMigApplier
 from services.executor.mig.planner import MigInstance, MigLayout
 from services.executor.mig.profiles import gpu_model
-from services.executor.service import InvalidCommand
 from sits.v1 import events_pb2
 
 

@@ -8,6 +8,7 @@ Keys (all under `prefix`, default "sits:executor:"):
 - `actions:<target>`      sorted set of action ids by time, newest last
 - `limits:<target>`       the last engine limits the executor set (for GetLimits while the engine is down)
 - `breaker:<target>:<tier>`  JSON breaker record, expiring when it would read as closed
+- `budget:<target>`       JSON tier budget (limits, lease end, command id), expiring with its lease
 - `pressure:<target>`     the last pressure written
 
 Redis errors surface as `StateUnavailable`: the service refuses mutating
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.executor.domain import BreakerBoard, BreakerRecord, BreakerState, Tier
+from services.executor.domain import BreakerBoard, BreakerRecord, BreakerState, Tier, TierBudgetRecord
 from sits.v1 import events_pb2
 
 
@@ -164,7 +165,7 @@ class RedisState:
         return BreakerBoard(records)
 
     async def save_breakers(
-        self, target: str, board: BreakerBoard, expires_at: dict[Tier, float | None], now: float
+        self, target: str, board: BreakerBoard, expires_at: dict[Tier, float | None], now: float, command_id: str = ""
     ) -> None:
         try:
             async with self._client.pipeline(transaction=True) as pipe:
@@ -180,11 +181,56 @@ class RedisState:
                         "max_requests": record.max_requests,
                         "opened_at": record.opened_at,
                         "ttl_s": record.ttl_s,
+                        "command_id": command_id,
                     }
                     pipe.set(key, json.dumps(data), ex=max(1, math.ceil(until - now)))
                 await pipe.execute()
         except (RedisError, OSError) as error:
             raise StateUnavailable(f"Redis unreachable while saving breakers: {error}") from error
+
+    async def breaker_commands(self, target: str) -> dict[Tier, str]:
+        """The command that last opened each tier's breaker that is still recorded."""
+        try:
+            raws = await self._client.mget([self._key("breaker", target, t.mesh_name) for t in Tier])
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable: {error}") from error
+        return {
+            tier: str(json.loads(raw).get("command_id", ""))
+            for tier, raw in zip(Tier, raws, strict=True)
+            if raw is not None
+        }
+
+    async def budget(self, target: str) -> TierBudgetRecord | None:
+        try:
+            raw = await self._client.get(self._key("budget", target))
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable: {error}") from error
+        if raw is None:
+            return None
+        data = json.loads(raw)
+        return TierBudgetRecord(
+            limits={Tier[name]: int(n) for name, n in data["limits"].items()},
+            until=float(data["until"]),
+            command_id=str(data.get("command_id", "")),
+            lease_s=float(data.get("lease_s", 0.0)),
+        )
+
+    async def save_budget(self, target: str, record: TierBudgetRecord | None) -> None:
+        """Store the budget (None deletes it); the key outlives its lease a little, so expiry can be reported."""
+        key = self._key("budget", target)
+        try:
+            if record is None:
+                await self._client.delete(key)
+                return
+            data = {
+                "limits": {tier.name: n for tier, n in record.limits.items()},
+                "until": record.until,
+                "command_id": record.command_id,
+                "lease_s": record.lease_s,
+            }
+            await self._client.set(key, json.dumps(data), ex=max(1, math.ceil(record.lease_s)) + 60)
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable while saving the tier budget: {error}") from error
 
     async def breaker_targets(self) -> set[str]:
         """Targets with any breaker record (for the reconcile loop)."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from services.executor import engine_control_protocol as protocol
+from sits.runtime import engine_control as protocol
 
 if TYPE_CHECKING:
     from services.executor.vllm_plugin.scheduler import SitsScheduler

@@ -1,32 +1,58 @@
-"""SitsScheduler: vLLM's scheduler with limits the executor can move while the engine serves.
+"""SitsScheduler: vLLM's scheduler with SITS tiers and limits the executor can move while the engine serves.
 
 Loaded by vLLM inside the EngineCore process with
 `--scheduler-cls services.executor.vllm_plugin.scheduler.SitsScheduler`.
 When `SITS_ENGINE_CONTROL_ADDR` (host:port) is set, it serves the
-engine-control endpoint (see `services.executor.engine_control_protocol`)
+engine-control endpoint (see `sits.runtime.engine_control`)
 from a background thread.
 
+Scheduling mode. vLLM picks `AsyncScheduler` when async scheduling is on (the
+default where the executor supports it) and plain `Scheduler` otherwise; a
+custom class that subclasses only `Scheduler` keeps the engine in its async
+loop with a synchronous scheduler, which vLLM answers by disabling async
+scheduling: 38% of decode throughput lost on the H200 (FACTS.md). So
+`SitsScheduler(...)` builds a `SitsAsyncScheduler` (SITS on top of
+`AsyncScheduler`) whenever the engine's config has async scheduling on: the
+engine keeps the mode it would run without SITS.
+
+Tiers. Every request's tier (P0 highest .. P2) is read from its request id,
+whose prefix the SITS gRPC launcher writes from the tier Envoy routed it by
+(`engine_control.retag_request_id`). Before vLLM queues a request the
+plugin sets vLLM's own `priority` to the tier, so with
+`--scheduling-policy priority` the waiting queue is ordered by tier, then
+arrival, and vLLM's KV-exhaustion preemption takes the lowest tier first.
+vLLM never preempts because the running set is at its cap; the plugin does:
+when a P0 request heads the waiting queue and the running set is full, the
+newest request of the lowest tier below P0 is preempted (one per step) so the
+P0 is scheduled in this step. Per tier, the plugin keeps the controller's
+signals (`tier_stats`): queue wait p50/p90, waiting count, oldest waiting age,
+preemptions, KV blocks held.
+
 Live limits, applied at the start of the next `schedule()` (one engine step):
-- running cap: `max_num_running_reqs` and `max_num_active_reqs`. vLLM asserts
-  `len(running) <= max_num_running_reqs` at the end of every step, so lowering
-  the cap below the running count first preempts the excess the way vLLM
-  preempts under KV pressure (blocks freed, request back to waiting, resumed
-  by recomputation later): no stream is dropped. Victims are the lowest SITS
-  tier, newest first. The cap never exceeds `max_num_seqs`, the model runner's
-  slot count.
+- running cap: `max_num_running_reqs` (and `max_num_active_reqs` where vLLM
+  has it, 0.32). vLLM asserts `len(running) <= max_num_running_reqs` at the
+  end of every step, so lowering the cap below the running count first
+  preempts the excess the way vLLM preempts under KV pressure (blocks freed,
+  request back to waiting, resumed by recomputation later): no stream is
+  dropped. Victims are the lowest SITS tier, newest first. The cap never
+  exceeds `max_num_seqs`, the model runner's slot count.
 - token budget: `max_num_scheduled_tokens`, at most `max_num_batched_tokens`
   (the runner's input buffers are sized for it).
 - prefill chunk cap: vLLM's `long_prefill_token_threshold` (0 = off). vLLM
   ignores it while a single request is eligible; then the step's token budget
   is lowered to the cap for that step, which cuts the lone prefill the same way.
-- admission pause: for the step, vLLM's PAUSED_NEW state (only requests that
-  still hold KV blocks may enter RUNNING: new and preempted requests wait, so
-  KV use stops growing) while running requests keep decoding. Outside
-  `schedule()` the state reads as unpaused, so the engine loop keeps stepping
-  and resumes the queue as soon as admission resumes.
+- admission pause: for the step, vLLM's PAUSED_NEW state (no request enters
+  RUNNING, so KV use stops growing) while running requests keep decoding.
+  Outside `schedule()` the state reads as unpaused, so the engine loop keeps
+  stepping and resumes the queue as soon as admission resumes.
 
 Changes are made under a lock that `schedule()` holds while it runs, so the
 control thread never mutates the scheduler mid-step.
+
+vLLM 0.26 (the H200 build) and 0.32 (the CPU build in tests) differ in what
+this touches: 0.32 has `max_num_active_reqs`, `get_kv_cache_usage()`,
+`kv_holding_waiting` and `_request_blocks_can_be_freed`; 0.26 has
+`skipped_waiting` and none of the others. Each is read through a fallback below.
 """
 
 from __future__ import annotations
@@ -35,15 +61,18 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from services.executor import engine_control_protocol as protocol
-from services.executor.engine_control_protocol import LimitError
+from services.executor.vllm_plugin.tier_stats import TIERS, TierStats
+from sits.runtime import engine_control as protocol
+from sits.runtime.engine_control import LimitError
 
 logger = logging.getLogger("sits.scheduler")
 
@@ -51,7 +80,21 @@ _PAUSED_IDLE_WAIT_S = 0.01
 _APPLY_WAIT_S = 2.0
 
 
+def _tier(request: Request) -> int:
+    return protocol.priority_tier_of_request_id(request.request_id)
+
+
+def _async_scheduling(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    config = kwargs.get("vllm_config", args[0] if args else None)
+    return bool(getattr(getattr(config, "scheduler_config", None), "async_scheduling", False))
+
+
 class SitsScheduler(Scheduler):
+    def __new__(cls, *args: Any, **kwargs: Any) -> SitsScheduler:
+        if cls is SitsScheduler and _async_scheduling(args, kwargs):
+            cls = SitsAsyncScheduler
+        return super().__new__(cls)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._control_lock = threading.Lock()
@@ -64,8 +107,14 @@ class SitsScheduler(Scheduler):
         self._resume_signal = threading.Event()
         self._prefill_chunk_cap = int(self.scheduler_config.long_prefill_token_threshold or 0)
         self._running_ceiling = int(self.scheduler_config.max_num_seqs)
+        self._running_cap = self._running_ceiling
         self._token_ceiling = int(self.scheduler_config.max_num_batched_tokens)
         self._cap_preemptions = 0
+        self._p0_preemptions = 0
+        self._tier_stats = TierStats()
+        # Tiers order the queue only under vLLM's priority policy; under FCFS a P0 could not overtake
+        # the queue even after a preemption, so the plugin does not preempt for it there.
+        self._by_priority = str(getattr(self.scheduler_config, "policy", "fcfs")) == "priority"
         self._control_server: Any = None
         address = os.environ.get("SITS_ENGINE_CONTROL_ADDR")
         if address:
@@ -73,15 +122,28 @@ class SitsScheduler(Scheduler):
 
             self._control_server = start_control_server(self, address)
             logger.info("SITS engine-control endpoint on %s", address)
+        logger.info(
+            "%s: async scheduling %s, %s policy",
+            type(self).__name__,
+            "on" if isinstance(self, AsyncScheduler) else "off",
+            "priority" if self._by_priority else "fcfs",
+        )
 
     # ------------------------------------------------------------ engine step
 
-    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+    def add_request(self, request: Request) -> None:
+        # vLLM's heap orders by (priority, arrival): the tier Envoy routed by, never a client's number.
+        request.priority = _tier(request)
+        super().add_request(request)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         if self._admission_paused and not self.running:
             # Paused with nothing running: the loop would spin on empty steps.
             self._resume_signal.wait(_PAUSED_IDLE_WAIT_S)
         with self._control_lock:
             self._apply_pending_locked()
+            if self._by_priority:
+                self._make_room_for_p0()
             saved_budget = self.max_num_scheduled_tokens
             pause_for_step = self._admission_paused and self._pause_state == PauseState.UNPAUSED
             if pause_for_step:
@@ -89,15 +151,74 @@ class SitsScheduler(Scheduler):
             if 0 < self._prefill_chunk_cap < saved_budget and self._eligible_count() <= 1:
                 self.max_num_scheduled_tokens = self._prefill_chunk_cap
             try:
-                return super().schedule(throttle_prefills)
+                output = super().schedule(*args, **kwargs)
             finally:
                 self.max_num_scheduled_tokens = saved_budget
                 if pause_for_step:
                     self._pause_state = PauseState.UNPAUSED
+            self._record_first_scheduled(output)
+            return output
+
+    def _record_first_scheduled(self, output: SchedulerOutput) -> None:
+        if not output.scheduled_new_reqs:
+            return
+        now = time.time()
+        for new in output.scheduled_new_reqs:
+            request = self.requests.get(new.req_id)
+            # Resumed preemptions come back as new requests on some versions: their wait was counted.
+            if request is not None and request.num_preemptions == 0:
+                self._tier_stats.first_scheduled(_tier(request), now, float(request.arrival_time))
+
+    def _make_room_for_p0(self) -> None:
+        """Preempt the newest lowest-tier running request when a P0 heads the queue and cannot start.
+
+        It cannot start when the running set is at its cap, or when the free KV blocks (cached
+        ones included: vLLM evicts them on demand) do not hold its first chunk. vLLM would leave it
+        waiting for a finish in both cases; one victim a step frees a slot and its blocks.
+        """
+        if not self.running or not self.waiting:
+            return
+        head = self.waiting.peek_request()
+        if _tier(head) != 0:
+            return
+        block = max(1, int(self.block_size))
+        first_chunk = min(int(head.num_tokens) - int(head.num_computed_tokens), int(self.max_num_scheduled_tokens))
+        blocks_to_start = -(-max(1, first_chunk) // block) + 1
+        at_cap = len(self.running) >= self.max_num_running_reqs
+        if not at_cap and self.kv_cache_manager.block_pool.get_num_free_blocks() >= blocks_to_start:
+            return
+        victims = [r for r in self.running if _tier(r) > 0 and self._can_free(r)]
+        if not victims:
+            return
+        victim = max(victims, key=_preemption_order)
+        self.running.remove(victim)
+        self._preempt_request(victim, time.monotonic())
+        self.prev_step_scheduled_req_ids.discard(victim.request_id)
+        self._p0_preemptions += 1
+
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        self._tier_stats.preempted(_tier(request))
+        super()._preempt_request(request, *args, **kwargs)
+
+    def _can_free(self, request: Request) -> bool:
+        check = getattr(self, "_request_blocks_can_be_freed", None)
+        return True if check is None else bool(check(request))
+
+    def _waiting_requests(self) -> Iterable[Request]:
+        for name in ("waiting", "skipped_waiting", "kv_holding_waiting"):
+            queue = getattr(self, name, None)
+            if queue:
+                yield from queue
 
     def _eligible_count(self) -> int:
         num_running, num_waiting = self.get_request_counts()
         return num_running + num_waiting
+
+    def _set_running_cap(self, cap: int) -> None:
+        self._running_cap = cap
+        self.max_num_running_reqs = cap
+        if hasattr(self, "max_num_active_reqs"):
+            self.max_num_active_reqs = cap
 
     def _apply_pending_locked(self) -> None:
         if not self._pending:
@@ -105,9 +226,8 @@ class SitsScheduler(Scheduler):
         pending, self._pending = self._pending, {}
         cap = pending.get(protocol.MAX_NUM_RUNNING_REQS)
         if cap is not None:
-            self.max_num_active_reqs = cap
+            self._set_running_cap(cap)
             self._preempt_down_to(cap)
-            self.max_num_running_reqs = cap
         budget = pending.get(protocol.MAX_NUM_SCHEDULED_TOKENS)
         if budget is not None:
             self.max_num_scheduled_tokens = budget
@@ -129,7 +249,7 @@ class SitsScheduler(Scheduler):
     def _preempt_down_to(self, cap: int) -> None:
         timestamp = time.monotonic()
         while len(self.running) > cap:
-            candidates = [r for r in self.running if self._request_blocks_can_be_freed(r)]
+            candidates = [r for r in self.running if self._can_free(r)]
             if not candidates:
                 # Only connector-held requests are left; admission is already
                 # capped, so they drain as they finish.
@@ -200,9 +320,10 @@ class SitsScheduler(Scheduler):
 
     def _state_locked(self) -> dict[str, Any]:
         num_running, num_waiting = self.get_request_counts()
+        block_pool = self.kv_cache_manager.block_pool
         return {
             "limits": {
-                protocol.MAX_NUM_RUNNING_REQS: int(self.max_num_active_reqs),
+                protocol.MAX_NUM_RUNNING_REQS: int(self._running_cap),
                 protocol.MAX_NUM_SCHEDULED_TOKENS: int(self.max_num_scheduled_tokens),
                 protocol.MAX_PREFILL_CHUNK_TOKENS: int(self._prefill_chunk_cap),
                 protocol.ADMISSION_PAUSED: bool(self._admission_paused),
@@ -213,23 +334,45 @@ class SitsScheduler(Scheduler):
                 "block_size": int(self.block_size),
                 "max_model_len": int(self.max_model_len),
                 "enable_chunked_prefill": bool(self.scheduler_config.enable_chunked_prefill),
+                "policy": "priority" if self._by_priority else "fcfs",
+                "async_scheduling": isinstance(self, AsyncScheduler),
             },
             "step": int(self.current_step),
             "applied_at_step": int(self._applied_at_step),
             "running": num_running,
             "waiting": num_waiting,
             "cap_preemptions": self._cap_preemptions,
-            "kv_cache_usage": float(self.get_kv_cache_usage()),
+            "p0_preemptions": self._p0_preemptions,
+            "kv_cache_usage": float(self.kv_cache_manager.usage),
+            "kv_blocks_total": int(block_pool.num_gpu_blocks),
+            "kv_blocks_free": int(block_pool.get_num_free_blocks()),
+            "tiers": self._tiers_locked(),
         }
+
+    def _tiers_locked(self) -> dict[str, dict[str, float]]:
+        now = time.time()
+        tiers = {tier: {**stats} for tier, stats in self._tier_stats.snapshot(now).items()}
+        for tier in TIERS:
+            tiers[tier].update(running=0.0, waiting=0.0, oldest_wait_s=0.0, kv_blocks=0.0)
+        block = max(1, int(self.block_size))
+        for request in self.running:
+            entry = tiers[_tier(request)]
+            entry["running"] += 1
+            entry["kv_blocks"] += -(-int(request.num_computed_tokens) // block)
+        for request in self._waiting_requests():
+            entry = tiers[_tier(request)]
+            entry["waiting"] += 1
+            entry["oldest_wait_s"] = max(entry["oldest_wait_s"], now - float(request.arrival_time))
+        return {str(tier): entry for tier, entry in tiers.items()}
 
     def list_requests(self) -> list[dict[str, Any]]:
         with self._control_lock:
             running = [(r, "running") for r in self.running]
-            waiting = [(r, "waiting") for r in list(self.waiting) + list(self.kv_holding_waiting)]
+            waiting = [(r, "waiting") for r in self._waiting_requests()]
             return [
                 {
                     "request_id": external_request_id(request.request_id),
-                    "priority": protocol.priority_tier_of_request_id(external_request_id(request.request_id)),
+                    "priority": _tier(request),
                     "status": status,
                     "arrival_time": float(request.arrival_time),
                     "num_tokens": int(request.num_tokens),
@@ -244,6 +387,10 @@ class SitsScheduler(Scheduler):
         super().shutdown()
 
 
+class SitsAsyncScheduler(SitsScheduler, AsyncScheduler):
+    """SitsScheduler over vLLM's AsyncScheduler; `SitsScheduler(...)` picks it when async scheduling is on."""
+
+
 def external_request_id(engine_request_id: str) -> str:
     """The client's id: vLLM appends "-<8 hex>" to make engine-side ids unique."""
     head, sep, tail = engine_request_id.rpartition("-")
@@ -252,7 +399,6 @@ def external_request_id(engine_request_id: str) -> str:
     return engine_request_id
 
 
-def _preemption_order(request: Request) -> tuple[int, int, float]:
-    """Larger means preempted first: lowest SITS tier, then vLLM priority, then newest."""
-    tier = protocol.priority_tier_of_request_id(external_request_id(request.request_id))
-    return (tier, int(request.priority), float(request.arrival_time))
+def _preemption_order(request: Request) -> tuple[int, float]:
+    """Larger means preempted first: lowest SITS tier, then newest."""
+    return (_tier(request), float(request.arrival_time))

@@ -44,21 +44,39 @@ def decode(data: bytes) -> dict[str, Any]:
 
 PRIORITY_PREFIXES = {"p0": 0, "p1": 1, "p2": 2}
 LOWEST_TIER = 2
+# The header Envoy routes by and, on every route, overwrites with the tier it routed the request as
+# (sits_mesh.envoy_config): behind the mesh its value is the routed tier, never the client's claim.
+TIER_HEADER = "x-sits-priority"
+
+
+def _tier_prefix(request_id: str) -> int | None:
+    prefix = request_id[:3].lower()
+    if len(prefix) == 3 and prefix[2] in "-_:" and prefix[:2] in PRIORITY_PREFIXES:
+        return PRIORITY_PREFIXES[prefix[:2]]
+    return None
 
 
 def priority_tier_of_request_id(request_id: str) -> int:
     """Tier 0 (P0, highest) .. 2 (P2) from a request id like "p1-5f3a...".
 
     vLLM's gRPC servicer passes no call metadata into the engine (it keeps only
-    the trace context, and drops even that without an OTLP endpoint), so the
-    engine cannot see `x-sits-priority`. SITS clients therefore also prefix the
-    request id with the tier. An untagged request has claimed no protection and
-    counts as the lowest tier.
+    the trace context), so the tier travels in the request id. Behind the mesh
+    the SITS gRPC launcher (`vllm_plugin.grpc_launcher`) rewrites the id's
+    prefix from the routed tier header (`retag_request_id`), so a client cannot
+    claim P0 by naming its id. An untagged request has claimed no protection
+    and counts as the lowest tier.
     """
-    prefix = request_id[:3].lower()
-    if len(prefix) == 3 and prefix[2] in "-_:" and prefix[:2] in PRIORITY_PREFIXES:
-        return PRIORITY_PREFIXES[prefix[:2]]
-    return LOWEST_TIER
+    tier = _tier_prefix(request_id)
+    return LOWEST_TIER if tier is None else tier
+
+
+def retag_request_id(request_id: str, tier_name: str) -> str:
+    """`request_id` carrying `tier_name` ("p0".."p2", any case) instead of whatever tier it named."""
+    tier = tier_name.strip().lower()
+    if tier not in PRIORITY_PREFIXES:
+        raise ValueError(f"unknown tier {tier_name!r}")
+    bare = request_id[3:] if _tier_prefix(request_id) is not None else request_id
+    return f"{tier}-{bare}"
 
 
 class LimitError(ValueError):
