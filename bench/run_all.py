@@ -35,7 +35,7 @@ def main() -> int:
             continue
         print(f"[{index}/{len(CPU_BENCHMARKS)}] {script} ...", flush=True)
         started = time.monotonic()
-        rc = subprocess.call([sys.executable, str(path)], cwd=BENCH.parent)
+        rc = subprocess.call([sys.executable, "-m", f"bench.{path.stem}"], cwd=BENCH.parent)
         print(f"    exit {rc} after {time.monotonic() - started:.0f} s", flush=True)
         if rc != 0:
             failures.append(script)

@@ -511,7 +511,9 @@ def limits_after(
     if change.restore_defaults:
         if info is None:
             raise ValueError("restoring the start-up limits needs the engine's facts")
-        return Limits(info.max_num_seqs, info.max_num_batched_tokens, 0, False)
+        return replace(
+            current, max_num_running_reqs=info.max_num_seqs, max_num_scheduled_tokens=info.max_num_batched_tokens
+        )
     limits = merge_limits(current, change)
     if change.HasField("max_num_running_reqs_factor") and not change.HasField("max_num_running_reqs"):
         base = running if running > 0 else current.max_num_running_reqs

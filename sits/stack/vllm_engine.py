@@ -89,6 +89,8 @@ class VllmServerError(RuntimeError):
 class VllmServer:
     """`async with VllmServer(model_dir) as server:` gives a serving engine at `server.address`."""
 
+    DEFAULT_SCHEDULER = SITS_SCHEDULER_CLS
+
     def __init__(
         self,
         model_dir: Path,
@@ -103,6 +105,7 @@ class VllmServer:
         extra_args: tuple[str, ...] = (),
         log_path: Path | None = None,
         startup_timeout_s: float = 180.0,
+        cpus: int = 0,
     ) -> None:
         self.model_dir = model_dir
         self.port = port or free_port()
@@ -115,6 +118,8 @@ class VllmServer:
         self.extra_args = extra_args
         self.log_path = log_path or Path(tempfile.gettempdir()) / f"sits-vllm-{self.port}.log"
         self.startup_timeout_s = startup_timeout_s
+        # Confine the whole engine (API server, EngineCore, worker) to this many CPUs; 0: no confinement.
+        self.cpus = cpus
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -126,7 +131,9 @@ class VllmServer:
         return f"127.0.0.1:{self.control_port}" if self.control_port else None
 
     def command(self) -> list[str]:
+        pin = ["taskset", "-c", f"0-{self.cpus - 1}" if self.cpus > 1 else "0"] if self.cpus else []
         args = [
+            *pin,
             sys.executable,
             "-m",
             SITS_GRPC_LAUNCHER if self.scheduler_cls else VLLM_GRPC_LAUNCHER,

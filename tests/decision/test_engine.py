@@ -97,7 +97,8 @@ def test_a_fresh_target_waits_out_a_slow_first_tooth_but_not_a_real_climb(policy
     assert full - commands[0][0] >= 2.0, (full, commands[0])
 
 
-def test_cooldown_and_hysteresis_stop_flapping(engine: DecisionEngine, clock: ManualClock) -> None:
+def test_cooldown_and_hysteresis_stop_flapping(rules_engine: DecisionEngine, clock: ManualClock) -> None:
+    engine = rules_engine
     kv = [0.95, 0.91, 0.95, 0.91] * 50  # hovers around the 92% threshold, inside the 3% hysteresis
     fired = []
     for i, usage in enumerate(kv):
@@ -115,7 +116,8 @@ def test_cooldown_and_hysteresis_stop_flapping(engine: DecisionEngine, clock: Ma
     assert [(c.kind, c.params["state"]) for c in cleared] == [(ActionKind.SHED_PRIORITY, "CLOSED")]
 
 
-def test_never_two_commands_for_one_target_inside_its_cooldown(policy: Policy, clock: ManualClock) -> None:
+def test_never_two_commands_for_one_target_inside_its_cooldown(rules_policy: Policy, clock: ManualClock) -> None:
+    policy = rules_policy
     engine = DecisionEngine(policy, clock)
     from services.decision.domain.types import AllocatorStats
 
@@ -183,7 +185,8 @@ def test_explain_and_evaluate(engine: DecisionEngine, clock: ManualClock) -> Non
     assert explanation.root_cause.kind is RootCauseKind.NONE or explanation.root_cause.confidence >= 0
 
 
-def test_put_policy_keeps_latches_only_for_rules_that_remain(engine: DecisionEngine, clock: ManualClock) -> None:
+def test_put_policy_keeps_latches_only_for_rules_that_remain(rules_engine: DecisionEngine, clock: ManualClock) -> None:
+    engine = rules_engine
     engine.observe(make_sample(1.0, 0.5, engine=EngineLoad(kv_cache_usage=0.99)))
     explanation = engine.explain(TARGET)
     assert explanation is not None and explanation.latched_rules == ("kv-usage-shed-p2",)

@@ -15,7 +15,7 @@ from services.decision.domain.types import EngineLoad
 from services.decision.grpc_api import DecisionService
 from sits.runtime.clock import ManualClock
 from sits.v1 import decision_pb2, decision_pb2_grpc
-from tests.decision.decision_builders import DEFAULT_POLICY, TARGET, make_sample
+from tests.decision.decision_builders import DEFAULT_POLICY, TARGET, make_sample, rules_policy_text
 
 Served = tuple[DecisionEngine, Any]
 
@@ -57,7 +57,7 @@ async def test_admit_answers_from_the_latest_kv_figures(served: Served) -> None:
 async def test_put_policy_validates_versions_and_keeps_the_old_one_on_error(served: Served) -> None:
     _, stub = served
     current = await stub.GetPolicy(decision_pb2.GetPolicyRequest())
-    assert current.version == 1 and "kv-usage-shed-p2" in current.yaml
+    assert current.version == 1 and "controller:" in current.yaml
     bad = "rules:\n  - name: x\n    when: {kv_usage_above: 2}\n    then: {kind: FLUSH_CACHE}\n"
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.PutPolicy(decision_pb2.PutPolicyRequest(yaml=bad, expected_version=1))
@@ -93,7 +93,7 @@ async def test_evaluate_is_a_what_if_and_explain_reports_the_live_window(served:
 
 
 def test_a_planned_command_converts_to_a_healing_command() -> None:
-    engine = DecisionEngine(parse_policy(DEFAULT_POLICY.read_text()), ManualClock(1_000_000.0))
+    engine = DecisionEngine(parse_policy(rules_policy_text()), ManualClock(1_000_000.0))
     [command] = engine.observe(make_sample(1.0, 0.5, engine=EngineLoad(kv_cache_usage=0.99), event_id="s1"))
     message = convert.command_to_pb(command)
     assert message.breaker.state == 2 and message.breaker.priority == 3  # OPEN, P2

@@ -17,10 +17,13 @@ rules:
 def test_default_policy_covers_the_required_rules() -> None:
     policy = parse_policy(DEFAULT_POLICY.read_text())
     rules = {r.name: r for r in policy.spec.rules}
-    assert rules["kv-usage-shed-p2"].when.kv_usage_above == 0.92
-    assert rules["kv-usage-shed-p2"].then[0].kind == "SHED_PRIORITY"
+    # Lower tiers are steered by the controller on P0's queue wait, not shed on KV usage (full by design).
+    assert not any(r.when.kv_usage_above is not None for r in rules.values())
+    assert policy.spec.controller.enabled and policy.spec.controller.p0_queue_wait_p90_s == 0.1
+    assert policy.spec.controller.lease_s >= 2 * policy.spec.controller.tick_s
     forecast_rule = rules["forecast-oom-within-5min"]
     assert forecast_rule.when.time_to_limit_below_s == 300 and policy.spec.forecast.limit_fraction == 0.96
+    assert forecast_rule.on_clear[0].kind == "SET_ENGINE_LIMITS" and forecast_rule.on_clear[0].restore_defaults
     assert rules["fragmentation-cap-prefill"].when.fragmentation_above == 0.35
     cotenant = rules["co-tenant-protect-p0"]
     assert cotenant.when.root_cause_in == ("MULTI_TENANT_CONTENTION",)
@@ -97,3 +100,13 @@ def test_duplicate_rule_names_are_refused() -> None:
     text = GOOD_RULE + GOOD_RULE.removeprefix("rules:\n")
     [(field, _, message)] = _problems(text)
     assert field == "rules" and "two rules" in message
+
+
+def test_controller_settings_are_validated_with_a_reason() -> None:
+    text = "controller:\n  tick_s: 1\n  lease_s: 1\n" + GOOD_RULE
+    [(field, line, message)] = _problems(text)
+    assert field == "controller" and line == 2 and "lease_s must be at least two ticks" in message
+    [(field, _, message)] = _problems("controller:\n  p1_share: 1.5\n" + GOOD_RULE)
+    assert field == "controller.p1_share" and "less than or equal to 1" in message
+    [(field, _, _)] = _problems("controller:\n  tick: 1\n" + GOOD_RULE)
+    assert field == "controller.tick"

@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import time
+from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
@@ -11,6 +12,7 @@ from sits.runtime.bus import EventProducer, ensure_topics
 from sits.runtime.events import Topics
 from sits.runtime.settings import Settings
 from sits.v1 import common_pb2, events_pb2
+from tests.decision.decision_builders import rules_policy_text
 
 
 def _sample(event_id: str, seq: int, kv: float) -> events_pb2.MetricSample:
@@ -42,8 +44,12 @@ async def _read_commands(settings: Settings, topic: str, timeout_s: float) -> li
     return out
 
 
-async def test_samples_in_one_command_out(settings: Settings, topics: Topics) -> None:
-    decision_settings = DecisionSettings(**(settings.model_dump() | {"decision_addr": "127.0.0.1:0"}))
+async def test_samples_in_one_command_out(settings: Settings, topics: Topics, tmp_path: Path) -> None:
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(rules_policy_text())
+    decision_settings = DecisionSettings(
+        **(settings.model_dump() | {"decision_addr": "127.0.0.1:0", "decision_policy_file": policy_file})
+    )
     await ensure_topics(settings)
     stop = asyncio.Event()
     task = asyncio.create_task(serve(decision_settings, stop))

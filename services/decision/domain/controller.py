@@ -97,6 +97,9 @@ class EngineSignals:
     t: float
     tiers: Mapping[int, TierSignal]
     running_cap: int
+    # The engine's slot count (max_num_seqs): the P1/P2 split is sized on it, so a cap that moves does
+    # not reshuffle the split. 0: the running cap.
+    max_num_seqs: int = 0
 
     def tier(self, tier: int) -> TierSignal:
         return self.tiers.get(tier) or TierSignal()
@@ -182,6 +185,10 @@ class TierController:
     def ceiling(self, signals: EngineSignals) -> int:
         return max(self.settings.budget_min, signals.running_cap + self.settings.lookahead)
 
+    def split(self, budget: int, signals: EngineSignals) -> dict[int, int]:
+        slots = max(signals.max_num_seqs, signals.running_cap)
+        return split_budget(budget, slots + self.settings.lookahead, self.settings.p1_share)
+
     def p0_missed(self, signals: EngineSignals) -> bool:
         objective = self.settings.p0_queue_wait_p90_s
         p0 = signals.tier(P0)
@@ -238,9 +245,7 @@ class TierController:
             return command
         if state.budget is not None and now - state.last_sent_t >= s.lease_s / 3.0:
             state.last_sent_t = now
-            ceiling = self.ceiling(signals)
-            limits = split_budget(state.budget, ceiling, s.p1_share)
-            return BudgetCommand(Move.RENEW, state.budget, limits, "budget renewed", 0.0)
+            return BudgetCommand(Move.RENEW, state.budget, self.split(state.budget, signals), "budget renewed", 0.0)
         return None
 
     def _decide(self, state: BudgetState, signals: EngineSignals, now: float) -> BudgetCommand | None:
@@ -318,7 +323,7 @@ class TierController:
         reason: str,
     ) -> BudgetCommand:
         s = self.settings
-        limits = split_budget(budget, ceiling, s.p1_share) if budget is not None else {}
+        limits = self.split(budget, signals) if budget is not None else {}
         # The window a change needs to show: the streams above a cut must finish first; an increase
         # shows once the newly admitted streams run.
         if budget is None or (state.budget is not None and budget > state.budget):

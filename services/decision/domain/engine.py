@@ -578,6 +578,7 @@ class DecisionEngine:
                         for t in engine.tiers
                     },
                     running_cap=engine.running_cap or engine.max_num_seqs or engine.num_requests_running,
+                    max_num_seqs=engine.max_num_seqs,
                 )
             elif state.budget.budget is None:
                 continue

@@ -194,7 +194,8 @@ class SetEngineLimits(_Action):
     max_num_scheduled_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
     max_prefill_chunk_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
     admission_paused: bool | None = None
-    # Back to the engine's start-up limits (what an on_clear undoes a cut with).
+    # Back to the engine's start-up running cap and token budget (what an on_clear undoes a cut with);
+    # the prefill chunk cap and admission stay as they are.
     restore_defaults: bool = False
 
     @model_validator(mode="after")

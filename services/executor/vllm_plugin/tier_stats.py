@@ -38,7 +38,8 @@ class _TierCounters:
 
 @dataclass
 class TierStats:
-    window_s: float = 10.0
+    # Short enough that a change's settle window (3 s at least) is judged on waits after it.
+    window_s: float = 3.0
     max_samples: int = 256
     _tiers: dict[int, _TierCounters] = field(default_factory=dict)
 

@@ -1,0 +1,200 @@
+"""The two paths every SITS claim compares: the same engine and load with SITS, and without it.
+
+- `start_baseline`: vLLM as it ships (FCFS, vLLM's own gRPC launcher, no SITS
+  code) behind Envoy alone: the mesh's config with its breakers at their
+  defaults and no admission processor. What a platform team runs today.
+- `start_sits`: the same engine with the SITS scheduler plugin (tiers, limits,
+  signals) behind the same Envoy with the admission processor in a process of
+  its own, and the whole loop (Tansu, Redis, capture, decision, executor,
+  validator) as the embedded stack runs it.
+
+Used by `sits demo` and by the overload benchmark, so that both measure one setup.
+Everything started is registered on the caller's AsyncExitStack and stopped with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sits.stack.embedded import EmbeddedStack, StackConfig
+from sits.stack.procs import ManagedProcess, free_port
+from sits.stack.vllm_engine import VllmServer
+from sits_mesh.envoy_process import EnvoyProcess
+from sits_mesh.policy import MeshPolicy, load_policy
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MESH_POLICY = REPO_ROOT / "mesh" / "policy.yaml"
+ENGINE = "vllm-0"
+# The random Llama (sits.stack.vllm_engine): 2 layers x 2 KV heads x head_dim 64 x 2 (K and V) x bf16.
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 2
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """One engine's size, the same on both paths."""
+
+    max_num_seqs: int = 16
+    kv_blocks: int = 24
+    max_model_len: int = 1024
+    max_num_batched_tokens: int = 1024
+    # Run the engine on this many CPUs only (taskset), to see the loop on a slower machine; 0: all.
+    cpus: int = 0
+
+    def server(self, model: Path, log_path: Path, sits: bool) -> VllmServer:
+        extra: tuple[str, ...] = ("--num-gpu-blocks-override", str(self.kv_blocks))
+        return VllmServer(
+            model,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            scheduler_cls=None if not sits else VllmServer.DEFAULT_SCHEDULER,
+            extra_args=extra,
+            log_path=log_path,
+            cpus=self.cpus,
+        )
+
+
+@dataclass
+class Served:
+    """One path's front door and what is behind it."""
+
+    name: str
+    engine: VllmServer
+    envoy: EnvoyProcess
+    stack: EmbeddedStack | None = None
+    processor: ManagedProcess | None = None
+    processor_metrics_url: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.envoy.address
+
+
+def mesh_policy(engine_port: int, workdir: Path, admission_port: int | None, max_model_len: int) -> MeshPolicy:
+    """The shipped mesh policy on loopback ports, sized for the random Llama; admission off without a port."""
+    shipped = load_policy(MESH_POLICY)
+    admission: dict[str, Any] = {
+        "enabled": admission_port is not None,
+        "port": admission_port or shipped.admission.port,
+        "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
+        "bypass_max_request_tokens": max_model_len,
+        "engine": ENGINE,
+    }
+    return shipped.model_copy(
+        update={
+            "listener": shipped.listener.model_copy(update={"address": "127.0.0.1", "port": 0}),
+            "admin": shipped.admin.model_copy(update={"port": 0}),
+            "upstream": shipped.upstream.model_copy(update={"address": "127.0.0.1", "port": engine_port}),
+            "overload": shipped.overload.model_copy(update={"pressure_file": str(workdir / "gpu_pressure")}),
+            "admission": shipped.admission.model_copy(update=admission),
+        }
+    )
+
+
+async def start_engines(
+    stack: contextlib.AsyncExitStack, model: Path, shape: EngineShape, workdir: Path, *, baseline: bool, sits: bool
+) -> dict[str, VllmServer]:
+    """Start the engines the paths need, at once (each takes tens of seconds on two cores)."""
+    wanted = {"baseline": baseline, "sits": sits}
+    engines = {
+        name: shape.server(model, workdir / f"vllm-{name}.log", name == "sits") for name, on in wanted.items() if on
+    }
+    for engine in engines.values():
+        stack.push_async_callback(engine.stop)
+    await asyncio.gather(*(engine.start() for engine in engines.values()))
+    return engines
+
+
+async def start_baseline(stack: contextlib.AsyncExitStack, engine: VllmServer, workdir: Path) -> Served:
+    policy = mesh_policy(engine.port, workdir / "envoy-baseline", None, engine.max_model_len)
+    envoy = await stack.enter_async_context(EnvoyProcess(policy, workdir=workdir / "envoy-baseline"))
+    return Served("without SITS", engine, envoy)
+
+
+async def start_sits(
+    stack: contextlib.AsyncExitStack,
+    engine: VllmServer,
+    workdir: Path,
+    decision_policy: Path,
+    progress: Progress | None = None,
+    service_env: dict[str, str] | None = None,
+) -> Served:
+    """The engine (with the plugin) behind Envoy and the admission processor, and the four services."""
+    assert engine.control_address is not None, "the SITS path needs the engine's control endpoint"
+    say = progress or (lambda _message: None)
+    embedded = EmbeddedStack(StackConfig(run_dir=workdir / "stack", topic_prefix=""), progress=progress)
+    processor_port = free_port()
+    processor_metrics_port = free_port()
+    policy = mesh_policy(engine.port, workdir / "envoy", processor_port, engine.max_model_len)
+    policy_file = workdir / "mesh-policy.yaml"
+    policy_file.parent.mkdir(parents=True, exist_ok=True)
+    policy_file.write_text(yaml.safe_dump(policy.model_dump(mode="json")))
+    envoy = await stack.enter_async_context(EnvoyProcess(policy, workdir=workdir / "envoy"))
+    say("starting the SITS admission processor (its own process) in front of the engine")
+    processor = ManagedProcess(
+        "admission",
+        [
+            sys.executable,
+            "-m",
+            "sits.cli",
+            "mesh",
+            "ext-proc",
+            "--policy",
+            str(policy_file),
+            "--decision-addr",
+            embedded.settings.decision_addr,
+            "--envoy-admin",
+            envoy.admin_url,
+        ],
+        workdir / "logs" / "admission.log",
+        env={**embedded.env(), "SITS_METRICS_PORT": str(processor_metrics_port)},
+    )
+    processor.start()
+    stack.push_async_callback(processor.astop)
+    await _wait_for_line(processor, "admission processor on", 120.0)
+    metrics_url = f"http://127.0.0.1:{processor_metrics_port}/metrics"
+    env = {
+        "SITS_NVML_ENABLED": "false",
+        "SITS_ENGINE_NAME": ENGINE,
+        # The plugin's state is the engine sample (tiers, limits, exact KV blocks); vLLM's own GetLoads
+        # would interleave samples without them.
+        "SITS_ENGINE_CONTROL_ADDR": engine.control_address,
+        "SITS_VLLM_GRPC_ADDR": "",
+        "SITS_EXECUTOR_TARGETS": json.dumps(
+            {ENGINE: {"engine_addr": engine.address, "control_addr": engine.control_address}}
+        ),
+        "SITS_ENVOY_ADMIN_URL": envoy.admin_url,
+        "SITS_ENVOY_PRESSURE_FILE": str(envoy.pressure_file),
+        "SITS_DECISION_POLICY_FILE": str(decision_policy),
+        "SITS_VALIDATOR_ENGINES": json.dumps({ENGINE: engine.address}),
+        "SITS_VALIDATOR_ENVOY_ADMIN_URL": envoy.admin_url,
+        "SITS_VALIDATOR_ADMISSION_METRICS_URL": metrics_url,
+        **(service_env or {}),
+    }
+    embedded.config.extra_env.update(env)
+    say("starting Tansu, checking Redis, starting capture, decision, executor, validator")
+    await stack.enter_async_context(embedded)
+    return Served("with SITS", engine, envoy, embedded, processor, metrics_url)
+
+
+async def _wait_for_line(process: ManagedProcess, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in process.log_tail(200):
+        if not process.alive():
+            raise RuntimeError(f"{process.name} exited while starting; its log:\n{process.log_tail()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{process.name} did not start within {timeout_s:.0f} s; its log:\n{process.log_tail()}")
+        await asyncio.sleep(0.1)

