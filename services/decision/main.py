@@ -24,7 +24,7 @@ from services.decision.domain.admission import EngineProfile
 from services.decision.domain.engine import ActionOutcome, DecisionEngine
 from services.decision.domain.kv_model import known_model
 from services.decision.domain.policy import parse_policy
-from services.decision.domain.types import PlannedCommand
+from services.decision.domain.types import ActionKind, PlannedCommand
 from services.decision.grpc_api import MUTATING_METHODS, SERVICE_NAME, DecisionService
 from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics
 from sits.runtime.clock import Clock, SystemClock
@@ -78,6 +78,8 @@ class DecisionHandler:
             forecast = self._engine.forecast_of(sample.target)
             if forecast is not None:
                 metrics.export_forecast(sample.target, forecast, self._engine.policy.spec.forecast.horizon_s)
+            if sample.engine is not None and sample.engine.tiers:
+                metrics.export_tiers(sample.target.engine, sample.engine.tiers)
             self._export_drops()
         elif isinstance(message, events_pb2.OomEvent):
             commands = self._engine.observe_oom(convert.oom_from_pb(message))
@@ -108,7 +110,13 @@ class DecisionHandler:
         )
 
     async def tick(self, now: float) -> None:
-        await self.publish(self._engine.tick(now))
+        commands = self._engine.tick(now)
+        metrics.P0_OBJECTIVE.set(self._engine.policy.spec.controller.p0_queue_wait_p90_s)
+        for command in commands:
+            if command.kind is ActionKind.SET_TIER_BUDGET:
+                limits = command.params.get("limits")
+                metrics.export_budget(command.target.engine, limits if isinstance(limits, dict) else None)
+        await self.publish(commands)
 
     async def publish(self, commands: list[PlannedCommand]) -> None:
         for command in commands:

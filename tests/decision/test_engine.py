@@ -199,3 +199,39 @@ def test_put_policy_keeps_latches_only_for_rules_that_remain(rules_engine: Decis
     explanation = engine.explain(TARGET)
     assert explanation is not None and explanation.latched_rules == ()
     assert math.isfinite(explanation.forecast.memory_fraction)
+
+
+def test_the_controller_ticks_on_plugin_samples_and_a_policy_change_applies_at_the_next_tick(
+    policy: Policy, clock: ManualClock
+) -> None:
+    from services.decision.domain.types import TierLoad
+
+    engine = DecisionEngine(policy, clock)
+    waiting = (
+        TierLoad(0, running=1, waiting=2, oldest_wait_s=0.4, queue_wait_p90_s=0.4, queue_wait_samples=5),
+        TierLoad(1, running=3, waiting=3),
+        TierLoad(2, running=4, waiting=5),
+    )
+    load = EngineLoad(tiers=waiting, running_cap=8, max_num_seqs=8)
+    sent = []
+    for i in range(6):
+        t = 100.0 + i * 0.5
+        engine.observe(make_sample(t, engine=load))
+        sent += engine.tick(t)
+    [engaged] = [c for c in sent if c.kind is ActionKind.SET_TIER_BUDGET and "renew" not in c.reason]
+    assert engaged.rule == "controller" and "engage" in engaged.reason
+    # P0 already misses its 100 ms objective: half of the 7 lower-tier streams running.
+    assert engaged.params["budget"] == 3 and engaged.params["limits"] == {1: 3, 2: 0}
+    assert engaged.params["lease_s"] == policy.spec.controller.lease_s
+    assert engaged.promise.p0_queue_wait_p90_s == 0.1 and engaged.promise.no_p0_refused
+    pb = command_to_pb(engaged)
+    assert pb.kind == 10 and [(lim.priority, lim.max_requests) for lim in pb.tier_budget.limits] == [(2, 3), (3, 0)]
+    # A looser objective, put live: at the next tick 400 ms is no longer a miss, so nothing is cut further.
+    relaxed = policy.yaml_text.replace("p0_queue_wait_p90_s: 0.1", "p0_queue_wait_p90_s: 1.0")
+    engine.set_policy(parse_policy(relaxed, version=2))
+    later = []
+    for i in range(40):
+        t = 103.0 + i * 0.5
+        engine.observe(make_sample(t, engine=load))
+        later += engine.tick(t)
+    assert later and all("renew" in c.reason for c in later), [c.reason for c in later]

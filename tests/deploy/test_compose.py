@@ -23,7 +23,7 @@ from pydantic_settings import BaseSettings
 
 from sits.runtime.settings import ENV_PREFIX
 from sits.settings_cli import all_settings
-from sits.stack.vllm_engine import SITS_SCHEDULER_CLS
+from sits.stack.vllm_engine import SITS_GRPC_LAUNCHER, SITS_SCHEDULER_CLS
 from sits_mesh.envoy_process import validate_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,8 +190,9 @@ def test_an_unknown_sits_variable_is_reported() -> None:
 def test_vllm_runs_the_grpc_server_with_the_sits_plugins_on_a_gpu(services: dict[str, dict[str, Any]]) -> None:
     vllm = services["vllm"]
     command = " ".join(vllm["command"])
-    assert "vllm.entrypoints.launchers.grpc_server" in command
-    assert f"--scheduler-cls {SITS_SCHEDULER_CLS}" in command
+    # vLLM's own gRPC server through the SITS launcher (the routed tier in each request id), priority policy.
+    assert f"-m {SITS_GRPC_LAUNCHER}" in command
+    assert f"--scheduler-cls {SITS_SCHEDULER_CLS} --scheduling-policy priority" in command
     assert "--port 50051" in command
     assert vllm["build"]["dockerfile"] == "deploy/docker/Dockerfile.vllm"
     devices = vllm["deploy"]["resources"]["reservations"]["devices"]
