@@ -13,9 +13,9 @@ from services.decision.domain.controller import (
     EngineSignals,
     Move,
     TierController,
-    TierSignal,
     split_budget,
 )
+from services.decision.domain.types import TierLoad
 
 SETTINGS = ControlSettings(tick_s=0.5, p0_queue_wait_p90_s=0.1, lookahead=2, lease_s=5.0, release_after_s=10.0)
 CAP = 8
@@ -35,15 +35,16 @@ def signals(
     return EngineSignals(
         t=t,
         tiers={
-            P0: TierSignal(
+            P0: TierLoad(
+                P0,
                 running=p0_running,
                 waiting=p0_waiting,
                 oldest_wait_s=p0_oldest,
                 queue_wait_p90_s=p0_p90,
                 queue_wait_samples=5,
             ),
-            P1: TierSignal(running=p1[0], waiting=p1[1], scheduled=scheduled),
-            P2: TierSignal(running=p2[0], waiting=p2[1], scheduled=scheduled),
+            P1: TierLoad(P1, running=p1[0], waiting=p1[1], scheduled=scheduled),
+            P2: TierLoad(P2, running=p2[0], waiting=p2[1], scheduled=scheduled),
         },
         running_cap=CAP,
     )

@@ -50,6 +50,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.decision.domain.types import TierLoad
+
 P0, P1, P2 = 0, 1, 2
 LOWER_TIERS = (P1, P2)
 
@@ -79,30 +81,18 @@ class ControlSettings:
 
 
 @dataclass(frozen=True, slots=True)
-class TierSignal:
-    running: int = 0
-    waiting: int = 0
-    oldest_wait_s: float = 0.0
-    queue_wait_p50_s: float = 0.0
-    queue_wait_p90_s: float = 0.0
-    queue_wait_samples: int = 0
-    preemptions: int = 0
-    scheduled: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class EngineSignals:
     """One reading of an engine's tiers (from the plugin, through capture)."""
 
     t: float
-    tiers: Mapping[int, TierSignal]
+    tiers: Mapping[int, TierLoad]
     running_cap: int
     # The engine's slot count (max_num_seqs): the P1/P2 split is sized on it, so a cap that moves does
     # not reshuffle the split. 0: the running cap.
     max_num_seqs: int = 0
 
-    def tier(self, tier: int) -> TierSignal:
-        return self.tiers.get(tier) or TierSignal()
+    def tier(self, tier: int) -> TierLoad:
+        return self.tiers.get(tier) or TierLoad(tier)
 
     @property
     def lower_running(self) -> int:

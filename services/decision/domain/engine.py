@@ -21,7 +21,6 @@ from services.decision.domain.controller import (
     EngineSignals,
     Move,
     TierController,
-    TierSignal,
 )
 from services.decision.domain.policy import (
     AbortLowPriority,
@@ -564,19 +563,7 @@ class DecisionEngine:
             if engine is not None:
                 signals = EngineSignals(
                     t=state.window.latest_plugin_t,
-                    tiers={
-                        t.tier: TierSignal(
-                            running=t.running,
-                            waiting=t.waiting,
-                            oldest_wait_s=t.oldest_wait_s,
-                            queue_wait_p50_s=t.queue_wait_p50_s,
-                            queue_wait_p90_s=t.queue_wait_p90_s,
-                            queue_wait_samples=t.queue_wait_samples,
-                            preemptions=t.preemptions,
-                            scheduled=t.scheduled,
-                        )
-                        for t in engine.tiers
-                    },
+                    tiers={t.tier: t for t in engine.tiers},
                     running_cap=engine.running_cap or engine.max_num_seqs or engine.num_requests_running,
                     max_num_seqs=engine.max_num_seqs,
                 )
