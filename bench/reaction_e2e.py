@@ -224,7 +224,10 @@ async def run(samples: int, rounds: int) -> None:
                 k: [] for k in ("p50", "p99", "exec_p50", "exec_p99", "raw_p50", "raw_p99", "hop_p50", "hop_p99")
             }
             all_e2e: list[float] = []
-            async with EventProducer(settings) as producer, EngineControlClient(engine.control_address) as control:
+            async with (
+                EventProducer(settings, signer=stack.command_signer()) as producer,
+                EngineControlClient(engine.control_address) as control,
+            ):
                 # The services join their consumer groups after they answer health checks: wait for the loop.
                 await e2e_round(capture, control, watch, f"warm{uuid.uuid4().hex[:4]}", 1)
                 for r in range(rounds):

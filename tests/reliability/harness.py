@@ -402,7 +402,7 @@ async def forget_executor_keys(redis_url: str, engines: Iterable[str], commands:
             ids = await client.zrange(f"{EXECUTOR_REDIS_PREFIX}actions:{engine}", 0, -1)
             keys += [f"{EXECUTOR_REDIS_PREFIX}action:{_text(i)}" for i in ids]
             keys += [f"{EXECUTOR_REDIS_PREFIX}{kind}:{engine}" for kind in ("actions", "lease", "fence", "pressure")]
-        keys += [f"{EXECUTOR_REDIS_PREFIX}applied:{c}" for c in commands]
+        keys += [f"{EXECUTOR_REDIS_PREFIX}{kind}:{c}" for c in commands for kind in ("applied", "digest")]
         for start in range(0, len(keys), 500):
             await client.delete(*keys[start : start + 500])
     finally:
