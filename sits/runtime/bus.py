@@ -123,7 +123,13 @@ class EventProducer:
 
     async def start(self) -> None:
         if not self._started:
-            await self._producer.start()
+            try:
+                await self._producer.start()
+            except BaseException:
+                # A broker refusing us (TLS, SASL) leaves the client half open: close it before raising.
+                with contextlib.suppress(Exception):
+                    await self._producer.stop()
+                raise
             self._started = True
 
     async def stop(self) -> None:
