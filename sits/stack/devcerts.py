@@ -2,7 +2,9 @@
 
 For development, tests and the docker-compose TLS set-up (`sits tls dev-certs DIR`);
 production certificates come from the organisation's CA (cert-manager, Vault...).
-Keys are ECDSA P-256, written readable by the owner only.
+Keys are ECDSA P-256, written readable by the owner only, except the compose set's: compose
+bind-mounts them into containers that run as other users (redis, kafka, sits), so those are
+readable by all, which is fine for a throw-away development CA and nothing else.
 """
 
 from __future__ import annotations
@@ -112,19 +114,20 @@ def pkcs12_bytes(issued: Issued, password: bytes, name: str) -> bytes:
     )
 
 
-def write_private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(descriptor, "wb") as handle:
         handle.write(data)
+    os.chmod(path, mode)
 
 
-def write_issued(directory: Path, name: str, issued: Issued) -> tuple[Path, Path]:
+def write_issued(directory: Path, name: str, issued: Issued, key_mode: int = 0o600) -> tuple[Path, Path]:
     """`<name>.crt` and `<name>.key` in `directory`; returns their paths."""
     cert, key = directory / f"{name}.crt", directory / f"{name}.key"
     directory.mkdir(parents=True, exist_ok=True)
     cert.write_bytes(issued.cert_pem)
-    write_private(key, issued.key_pem)
+    write_private(key, issued.key_pem, key_mode)
     return cert, key
 
 
@@ -139,21 +142,31 @@ KAFKA_KEYSTORE_PASSWORD_BYTES = 24
 
 def write_compose_certs(directory: Path) -> list[Path]:
     """The files docker-compose.yml's TLS set-up mounts; returns what was written."""
+    import hashlib
     import secrets
 
+    shared = 0o644  # read by containers running as other users (see the module's note)
     ca = DevCa("SITS compose CA", days=365)
     written = [directory / "ca.crt"]
     directory.mkdir(parents=True, exist_ok=True)
     written[0].write_bytes(ca.cert_pem)
     for name, hosts in COMPOSE_CERTS.items():
         issued = ca.issue(name, hosts)
-        written.extend(write_issued(directory, name, issued))
+        written.extend(write_issued(directory, name, issued, shared))
         if name == "kafka":
             password = secrets.token_urlsafe(KAFKA_KEYSTORE_PASSWORD_BYTES)
-            write_private(directory / "kafka.p12", pkcs12_bytes(issued, password.encode(), "kafka"))
+            write_private(directory / "kafka.p12", pkcs12_bytes(issued, password.encode(), "kafka"), shared)
             # The apache/kafka image reads the keystore and key passwords from files beside the keystore.
-            write_private(directory / "kafka_keystore_password", password.encode())
+            write_private(directory / "kafka_keystore_password", password.encode(), shared)
             written += [directory / "kafka.p12", directory / "kafka_keystore_password"]
+    # Redis: ACL user "sits" (the default user off), its password for SITS_REDIS_PASSWORD_FILE and,
+    # hashed, in the ACL file redis-server loads.
+    redis_password = secrets.token_urlsafe(24)
+    write_private(directory / "redis_password", redis_password.encode(), shared)
+    digest = hashlib.sha256(redis_password.encode()).hexdigest()
+    acl = f"user default off\nuser sits on #{digest} ~* &* +@all\n"
+    write_private(directory / "redis_users.acl", acl.encode(), shared)
+    written += [directory / "redis_password", directory / "redis_users.acl"]
     return written
 
 
