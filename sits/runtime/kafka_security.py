@@ -56,3 +56,9 @@ def kafka_client_options(settings: Settings) -> dict[str, Any]:
         options["sasl_plain_username"] = settings.kafka_sasl_username
         options["sasl_plain_password"] = read_secret(settings.kafka_sasl_password_file, "Kafka SASL password")
     return options
+
+
+def kafka_options_for(target: str | Settings) -> dict[str, Any]:
+    """Client options for a tool given either SITS settings (TLS, SASL as configured) or a bare bootstrap
+    address (a broker the tool started itself, such as the embedded Tansu: plaintext)."""
+    return kafka_client_options(target) if isinstance(target, Settings) else {"bootstrap_servers": target}

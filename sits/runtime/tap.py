@@ -18,7 +18,7 @@ from aiokafka.errors import KafkaError
 from google.protobuf.message import Message
 
 from sits.runtime.events import EnvelopeError, decode_events
-from sits.runtime.kafka_security import kafka_client_options
+from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.settings import Settings
 
 
@@ -36,10 +36,7 @@ class TopicTap:
         self._topics = list(topics)
         self._on_event = on_event
         self._from_beginning = from_beginning
-        options = (
-            kafka_client_options(bootstrap) if isinstance(bootstrap, Settings) else {"bootstrap_servers": bootstrap}
-        )
-        self._consumer = AIOKafkaConsumer(**options, enable_auto_commit=False)
+        self._consumer = AIOKafkaConsumer(**kafka_options_for(bootstrap), enable_auto_commit=False)
         self._task: asyncio.Task[None] | None = None
         self.undecodable = 0
 
