@@ -38,6 +38,7 @@ from services.capture.spool import FsyncPolicy, RecordKind, Spool, SpoolRecord  
 from sits.runtime.bus import ensure_topics  # noqa: E402
 from sits.runtime.clock import SystemClock  # noqa: E402
 from sits.runtime.events import Topics  # noqa: E402
+from sits.runtime.kafka_security import kafka_options_for  # noqa: E402
 from sits.runtime.settings import Settings  # noqa: E402
 from sits.stack.tansu import TansuBroker  # noqa: E402
 from sits.v1 import events_pb2  # noqa: E402
@@ -67,7 +68,7 @@ async def wait_until(predicate, timeout_s: float) -> None:  # type: ignore[no-un
 
 async def raw_baseline(settings: Settings, topic: str, n: int) -> float:
     payloads = [make_sample(i).SerializeToString() for i in range(n)]
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all", linger_ms=5)
+    producer = AIOKafkaProducer(**kafka_options_for(settings.kafka_bootstrap), acks="all", linger_ms=5)
     await producer.start()
     try:
         started = time.perf_counter()

@@ -32,6 +32,7 @@ from services.executor.service import Executor
 from services.executor.settings import EngineEndpoints, ExecutorSettings
 from sits.runtime.bus import EventConsumer, EventProducer, ensure_topics
 from sits.runtime.events import Topics
+from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.redis import connect
 from sits.stack.tansu import TansuBroker
 from sits.stack.vllm_engine import VllmServer, make_random_llama
@@ -50,8 +51,8 @@ async def wait_for_cap(control: EngineControlClient, cap: int, timeout_s: float 
 
 
 async def raw_roundtrip_ms(bootstrap: str, topic: str, samples: int) -> list[float]:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=0)
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="latest")
+    producer = AIOKafkaProducer(**kafka_options_for(bootstrap), linger_ms=0)
+    consumer = AIOKafkaConsumer(topic, **kafka_options_for(bootstrap), auto_offset_reset="latest")
     await producer.start()
     await consumer.start()
     try:

@@ -72,6 +72,7 @@ from services.capture.spool import Spool
 from sits.runtime.bus import ensure_topics
 from sits.runtime.clock import SystemClock
 from sits.runtime.events import Topics, metric_batch, target_key
+from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.settings import Settings
 from sits.stack.embedded import EmbeddedStack, StackConfig, wait_serving
 from sits.stack.procs import ManagedProcess, free_port
@@ -156,7 +157,7 @@ class CommitWatch:
     snapshots: list[tuple[float, dict[int, int]]] = field(default_factory=list)
 
     async def run(self, stop: asyncio.Event) -> None:
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
+        admin = AIOKafkaAdminClient(**kafka_options_for(self.bootstrap))
         await admin.start()
         # Tansu answers an OffsetFetch for named partitions only (not "all of the group's").
         wanted = [TopicPartition(self.topic, p) for p in range(self.partitions)]
@@ -260,7 +261,7 @@ async def pipeline_round(
 
 async def raw_consumer(bootstrap: str, topic: str, count: int) -> None:
     """Child-process side of the baseline: read `count` records; print the wall time and this process's CPU."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, fetch_max_wait_ms=10, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(**kafka_options_for(bootstrap), fetch_max_wait_ms=10, enable_auto_commit=False)
     await consumer.start()
     try:
         partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
@@ -300,7 +301,7 @@ async def raw_round(
         if not ready.startswith(b"ready"):
             raise RuntimeError(f"raw consumer did not start: {ready!r}")
         producer = AIOKafkaProducer(
-            bootstrap_servers=settings.kafka_bootstrap, acks="all", linger_ms=5, max_batch_size=max_batch_size
+            **kafka_options_for(settings.kafka_bootstrap), acks="all", linger_ms=5, max_batch_size=max_batch_size
         )
         await producer.start()
         try:
@@ -372,7 +373,7 @@ async def decision_drain(
     its first commit to its last (its start-up and group join are left out).
     """
     partitions = [TopicPartition(topic, p) for p in range(stack.settings.kafka_partitions)]
-    reader = AIOKafkaConsumer(bootstrap_servers=stack.broker.bootstrap)
+    reader = AIOKafkaConsumer(**kafka_options_for(stack.broker.bootstrap))
     await reader.start()
     try:
         ends = {tp.partition: offset for tp, offset in (await reader.end_offsets(partitions)).items()}

@@ -48,6 +48,7 @@ from services.executor.adapters.engine import EngineControlClient
 from sits.runtime.bus import EventProducer
 from sits.runtime.clock import SystemClock
 from sits.runtime.events import Topics
+from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.redis import connect
 from sits.runtime.settings import Settings
 from sits.stack.embedded import EmbeddedStack, StackConfig
@@ -97,7 +98,7 @@ class CommandWatch:
     def __init__(self, bootstrap: str, topic: str) -> None:
         self.seen: dict[str, float] = {}
         self._consumer = AIOKafkaConsumer(
-            topic, bootstrap_servers=bootstrap, auto_offset_reset="latest", fetch_max_wait_ms=10
+            topic, **kafka_options_for(bootstrap), auto_offset_reset="latest", fetch_max_wait_ms=10
         )
         self._task: asyncio.Task[None] | None = None
 
@@ -124,8 +125,8 @@ class CommandWatch:
 
 
 async def raw_roundtrip_ms(bootstrap: str, topic: str, samples: int, size: int) -> list[float]:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=0)
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="latest", fetch_max_wait_ms=10)
+    producer = AIOKafkaProducer(**kafka_options_for(bootstrap), linger_ms=0)
+    consumer = AIOKafkaConsumer(topic, **kafka_options_for(bootstrap), auto_offset_reset="latest", fetch_max_wait_ms=10)
     await producer.start()
     await consumer.start()
     try:
@@ -224,7 +225,10 @@ async def run(samples: int, rounds: int) -> None:
                 k: [] for k in ("p50", "p99", "exec_p50", "exec_p99", "raw_p50", "raw_p99", "hop_p50", "hop_p99")
             }
             all_e2e: list[float] = []
-            async with EventProducer(settings) as producer, EngineControlClient(engine.control_address) as control:
+            async with (
+                EventProducer(settings, signer=stack.command_signer()) as producer,
+                EngineControlClient(engine.control_address) as control,
+            ):
                 # The services join their consumer groups after they answer health checks: wait for the loop.
                 await e2e_round(capture, control, watch, f"warm{uuid.uuid4().hex[:4]}", 1)
                 for r in range(rounds):

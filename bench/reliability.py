@@ -54,7 +54,7 @@ def recovery(name: str, figures: dict[str, Any]) -> str:
     if name == "redis_outage":
         return (
             f"gRPC while down: {figures['grpc_while_down']}; in-time command applied {figures['recovery_s']} s "
-            f"after Redis returned; late command skipped as stale: {figures['stale_skipped']}; "
+            f"after Redis returned; late command dead-lettered as expired: {figures['stale_skipped']}; "
             f"executor restarted: {figures['executor_restarted']}"
         )
     peak = ", ".join(f"{k} {v}/{figures['bound_mib'][k]} MiB" for k, v in figures["peak_rss_mib"].items())

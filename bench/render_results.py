@@ -20,6 +20,7 @@ UPPER_BOUND_HINTS = (
     "ratio_with_sits",
     "max_rel_error",
     "added",
+    "forged_commands_applied",
 )
 
 

@@ -32,6 +32,8 @@ TOOLS = (
     Tool("mig", "services.executor.mig.cli", "plan a MIG re-partition that touches only what must change"),
     Tool("mesh", "sits_mesh.cli", "render Envoy and Istio configs from a mesh policy"),
     Tool("settings", "sits.settings_cli", "list every SITS_ setting, its default and meaning"),
+    Tool("keys", "sits.keys_cli", "make and rotate the keys that sign healing commands"),
+    Tool("tls", "sits.stack.devcerts", "development certificates (a CA, server and client certificates)"),
 )
 
 

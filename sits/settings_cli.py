@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
 
 from pydantic_settings import BaseSettings
 from rich.console import Console
@@ -11,6 +12,7 @@ from rich.table import Table
 
 from sits.runtime.settings import ENV_PREFIX, Settings
 
+REPO = Path(__file__).resolve().parents[1]
 SERVICE_SETTINGS = {
     "capture": "services.capture.main",
     "decision": "services.decision.main",
@@ -36,9 +38,16 @@ def all_settings() -> list[tuple[str, str, str, str]]:
             if variable in seen:
                 continue
             seen.add(variable)
-            default = "" if field.default_factory is not None else repr(field.default)
+            default = "" if field.default_factory is not None else _shown(field.default)
             rows.append((variable, scope, default, field.description or ""))
     return rows
+
+
+def _shown(default: object) -> str:
+    """A default as Python writes it; a path inside the checkout relative to it (the same in every checkout)."""
+    if isinstance(default, Path) and default.is_absolute() and default.is_relative_to(REPO):
+        return repr(default.relative_to(REPO))
+    return repr(default)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

@@ -173,8 +173,9 @@ async def read_topics(bootstrap: str, topics: list[str], timeout_s: float = 5.0)
     from google.protobuf.json_format import MessageToDict
 
     from sits.runtime.events import decode_events
+    from sits.runtime.kafka_security import kafka_options_for
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(**kafka_options_for(bootstrap), enable_auto_commit=False, auto_offset_reset="earliest")
     await consumer.start()
     found: dict[str, list[dict[str, Any]]] = {t: [] for t in topics}
     try:

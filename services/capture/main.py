@@ -24,6 +24,7 @@ from services.capture.spool import Spool
 from services.capture.traces import TraceTarget
 from sits.runtime.clock import SystemClock
 from sits.runtime.events import Topics
+from sits.runtime.grpc_tls import server_credentials
 from sits.runtime.grpcserver import GrpcServer, read_token
 from sits.runtime.lifecycle import run_service
 from sits.runtime.metrics import serve_metrics
@@ -122,6 +123,7 @@ async def serve(settings: CaptureSettings, stop: asyncio.Event) -> None:
                 token=read_token(settings.auth_token_file),
                 mutating_methods=MUTATING_METHODS,
                 max_message_bytes=settings.grpc_max_message_bytes,
+                credentials=server_credentials(settings),
             ),
             asyncio.TaskGroup() as tasks,
         ):

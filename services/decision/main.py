@@ -7,6 +7,8 @@ re-delivered sample yields the same command id and the executor skips it.
 The tier controller runs on its own fixed tick (the policy's
 `controller.tick_s`), over the latest signals the samples brought; results and
 verdicts on its commands come back to it from the executor and the validator.
+Every command is signed with the first key of SITS_COMMAND_SIGNING_KEY_FILE:
+executors apply no unsigned command.
 """
 
 from __future__ import annotations
@@ -29,16 +31,18 @@ from services.decision.grpc_api import MUTATING_METHODS, SERVICE_NAME, DecisionS
 from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics
 from sits.runtime.clock import Clock, SystemClock
 from sits.runtime.events import Topics, seconds
+from sits.runtime.grpc_tls import server_credentials
 from sits.runtime.grpcserver import GrpcServer, ServiceBinding, read_token
 from sits.runtime.metrics import serve_metrics
-from sits.runtime.settings import Settings
+from sits.runtime.settings import CommandSigningSettings
+from sits.runtime.signing import Signer, file_signer
 from sits.v1 import decision_pb2_grpc, events_pb2
 
 log = logging.getLogger(__name__)
 DEFAULT_POLICY_FILE = Path(__file__).with_name("default_policy.yaml")
 
 
-class DecisionSettings(Settings):
+class DecisionSettings(CommandSigningSettings):
     decision_policy_file: Path = Field(DEFAULT_POLICY_FILE, description="Healing policy YAML loaded at start.")
     decision_engine_models: dict[str, str] = Field(
         default_factory=dict,
@@ -138,6 +142,18 @@ def build_engine(settings: DecisionSettings, clock: Clock) -> DecisionEngine:
     return DecisionEngine(policy, clock, profiles)
 
 
+def command_signer(settings: CommandSigningSettings, service: str) -> Signer | None:
+    """The signer of the commands `service` publishes; None (and a warning) when no key file is set."""
+    signer = file_signer(settings.command_signing_key_file)
+    if signer is None:
+        log.warning(
+            "%s: no SITS_COMMAND_SIGNING_KEY_FILE: commands go out unsigned, and executors refuse them", service
+        )
+    else:
+        log.info("%s signs commands with key id %s", service, signer.key_id)
+    return signer
+
+
 async def serve(settings: DecisionSettings, stop: asyncio.Event) -> None:
     engine = build_engine(settings, SystemClock())
     topics = Topics(settings.topic_prefix)
@@ -150,8 +166,10 @@ async def serve(settings: DecisionSettings, stop: asyncio.Event) -> None:
         token=read_token(settings.auth_token_file),
         mutating_methods=MUTATING_METHODS,
         max_message_bytes=settings.grpc_max_message_bytes,
+        credentials=server_credentials(settings),
     )
-    async with EventProducer(settings) as producer, server:
+    signer = command_signer(settings, "decision")
+    async with EventProducer(settings, signer=signer) as producer, server:
         handler = DecisionHandler(engine, producer, topics)
         consumer = EventConsumer(
             settings,

@@ -1,4 +1,10 @@
-"""Executor wiring: Kafka commands in, ActionResults out, the gRPC API, and the breaker TTL loop."""
+"""Executor wiring: Kafka commands in (through the signature gate), ActionResults out, the gRPC API, breaker TTLs.
+
+Commands from Kafka pass `CommandGate` first (signature, deadline, replay); the gRPC
+Apply/Rollback callers prove themselves with the bearer token, over TLS (mutual
+with SITS_GRPC_TLS_REQUIRE_CLIENT_CERT, or Istio's mTLS): a call has no broker in
+between that others may write to, so the channel is the proof there.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from services.executor.adapters.engine import EngineControlClient, VllmEngineCli
 from services.executor.adapters.envoy import EnvoyAdmin
 from services.executor.adapters.mig import NvmlMigHook
 from services.executor.adapters.redis_state import RedisState, StateUnavailable
+from services.executor.command_gate import CommandDigests, CommandGate
 from services.executor.domain import BreakerPolicy
 from services.executor.grpc_api import MUTATING_METHODS, SERVICE_NAME, ExecutorServicer
 from services.executor.service import EngineTarget, Executor, InvalidCommand
@@ -19,10 +26,12 @@ from services.executor.settings import ExecutorSettings
 from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics
 from sits.runtime.clock import SystemClock
 from sits.runtime.events import Topics
+from sits.runtime.grpc_tls import server_credentials
 from sits.runtime.grpcserver import GrpcServer, ServiceBinding, read_token
 from sits.runtime.lifecycle import run_service
 from sits.runtime.metrics import serve_metrics
-from sits.runtime.redis import connect
+from sits.runtime.redis import connect_with
+from sits.runtime.signing import file_verifier
 from sits.v1 import events_pb2, executor_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -50,7 +59,7 @@ def build_executor(
         for name, endpoints in settings.executor_targets.items()
     }
     return Executor(
-        state=RedisState(connect(settings.redis_url), prefix=redis_prefix),
+        state=RedisState(connect_with(settings), prefix=redis_prefix),
         targets=targets,
         publish=publish,
         clock=SystemClock(),
@@ -85,11 +94,24 @@ def command_handler(executor: Executor) -> Callable[[ReceivedEvent], Awaitable[N
             # Bad input is answered, never retried: a REFUSED result, offset committed.
             result = executor.result_for(event.message, events_pb2.ACTION_STATUS_REFUSED, "; ".join(error.reasons))
             await executor.publish(result)
-        except StateUnavailable:
-            log.warning("Redis unreachable: command %s not applied, offset left uncommitted", event.message.command_id)
+        except StateUnavailable as error:
+            log.warning("command %s not applied, offset left uncommitted: %s", event.message.command_id, error)
             raise
 
     return handle
+
+
+def command_gate(settings: ExecutorSettings, redis_prefix: str = "sits:executor:") -> CommandGate:
+    """The signature, deadline and replay checks in front of `command_handler` (see command_gate.py)."""
+    verifier = file_verifier(settings.executor_verify_keys_file)
+    if settings.executor_accept_unsigned:
+        log.warning("SITS_EXECUTOR_ACCEPT_UNSIGNED: applying commands from Kafka WITHOUT checking signatures")
+    elif verifier is None:
+        log.error("no SITS_EXECUTOR_VERIFY_KEYS_FILE: every command from Kafka will be dead-lettered (no_keys)")
+    else:
+        log.info("applying commands signed by key ids %s", verifier.key_ids())
+    digests = CommandDigests(connect_with(settings), prefix=redis_prefix)
+    return CommandGate(verifier, digests, SystemClock(), accept_unsigned=settings.executor_accept_unsigned)
 
 
 async def serve(settings: ExecutorSettings, stop: asyncio.Event) -> None:
@@ -108,12 +130,13 @@ async def serve(settings: ExecutorSettings, stop: asyncio.Event) -> None:
             token=read_token(settings.auth_token_file),
             mutating_methods=MUTATING_METHODS,
             max_message_bytes=settings.grpc_max_message_bytes,
+            credentials=server_credentials(settings),
         )
         consumer = EventConsumer(
             settings,
             group_id=f"{settings.topic_prefix}{settings.executor_group_id}",
             topics=[topics.commands],
-            handler=command_handler(executor),
+            handler=command_gate(settings).wrap(command_handler(executor)),
             dead_letters=producer,
             coalesce=False,
         )

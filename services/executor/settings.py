@@ -48,3 +48,13 @@ class ExecutorSettings(Settings):
         description='MIG GPU under each target, as JSON: {"vllm-0": {"model": "h200-141gb", "device_index": 0}}.',
     )
     mig_apply: bool = Field(False, description="Let MIG rebalancing change the GPU; off, every MIG plan is a dry run.")
+    executor_verify_keys_file: Path | None = Field(
+        None,
+        description="Key ring the executor checks command signatures with: every key in the file is accepted "
+        "(two during a rotation). Unset: every command from Kafka is dead-lettered.",
+    )
+    executor_accept_unsigned: bool = Field(
+        False,
+        description="Apply commands from Kafka without checking signatures, deadlines or replays: benchmarks and "
+        "experiments only, never in production (anyone who can write to the topic steers the engines).",
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from pydantic import Field
 
@@ -15,14 +16,16 @@ from services.validator.service import ValidatorService
 from sits.runtime.bus import EventConsumer, EventProducer, ensure_topics
 from sits.runtime.clock import SystemClock
 from sits.runtime.events import Topics
+from sits.runtime.grpc_tls import server_credentials
 from sits.runtime.grpcserver import GrpcServer, ServiceBinding
 from sits.runtime.metrics import serve_metrics
-from sits.runtime.redis import connect
-from sits.runtime.settings import Settings
+from sits.runtime.redis import connect_with
+from sits.runtime.settings import CommandSigningSettings
+from sits.runtime.signing import file_signer
 from sits.v1 import validator_pb2, validator_pb2_grpc
 
 
-class ValidatorSettings(Settings):
+class ValidatorSettings(CommandSigningSettings):
     validator_engines: dict[str, str] = Field(
         default_factory=dict,
         description='Engines whose health the validator checks, as JSON: {"vllm-0": "host:port"} (vLLM gRPC).',
@@ -42,16 +45,21 @@ class ValidatorSettings(Settings):
 
 
 SETTINGS = ValidatorSettings
+log = logging.getLogger(__name__)
 
 
 async def serve(settings: ValidatorSettings, stop: asyncio.Event) -> None:
     topics = Topics(settings.topic_prefix)
     serve_metrics(settings.metrics_port, settings.metrics_bind)
     await ensure_topics(settings)
-    redis = connect(settings.redis_url)
+    redis = connect_with(settings)
+    # Rollbacks are HealingCommands: signed like the decision's, or executors refuse them.
+    signer = file_signer(settings.command_signing_key_file)
+    if signer is None:
+        log.warning("validator: no SITS_COMMAND_SIGNING_KEY_FILE: rollbacks go out unsigned, and executors refuse them")
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(redis.aclose)
-        producer = await stack.enter_async_context(EventProducer(settings))
+        producer = await stack.enter_async_context(EventProducer(settings, signer=signer))
         probes = LiveProbes(
             settings.validator_engines,
             envoy_admin_url=settings.validator_envoy_admin_url,
@@ -91,6 +99,7 @@ async def serve(settings: ValidatorSettings, stop: asyncio.Event) -> None:
                 bind=settings.grpc_bind,
                 port=settings.port_of(settings.validator_addr),
                 max_message_bytes=settings.grpc_max_message_bytes,
+                credentials=server_credentials(settings),
             )
         )
         async with asyncio.TaskGroup() as tasks:

@@ -2,12 +2,15 @@
 
 Producer: records keyed by target, CloudEvents headers, the current trace
 context injected as `traceparent`/`tracestate`, and a PRODUCER span per record.
+Given a signer, it signs every HealingCommand it sends (sits.runtime.signing).
 
 Consumer: offsets are committed only after the handler finished (at-least-once;
 handlers are idempotent on event_id / command_id). A record that cannot be
 decoded, has an unknown `ce_type` or a malformed header goes to the dead-letter
 topic with the reason in a header, and consumption continues. A handler that
-raises leaves its record uncommitted: the consumer seeks back and retries after
+raises `DeadLetter` sends its record there too (the executor refuses unsigned
+commands so), and consumption continues. A handler that
+raises anything else leaves its record uncommitted: the consumer seeks back and retries after
 a backoff, so a dependency outage (Redis, say) delays work and loses none.
 A MetricBatch record reaches the handler as its samples, one by one (a retry
 replays the whole record; handlers are idempotent on event_id). When a consumer
@@ -46,7 +49,9 @@ from sits.runtime.events import (
     meta_of,
     target_key,
 )
+from sits.runtime.kafka_security import kafka_client_options
 from sits.runtime.settings import Settings
+from sits.runtime.signing import Signer
 from sits.runtime.tracing import extract_headers, inject_headers, is_valid_traceparent
 from sits.v1 import events_pb2
 
@@ -57,12 +62,24 @@ Header = tuple[str, bytes]
 # Partition choices remembered per (topic, key); targets are bounded in practice, this bounds them anyway.
 MAX_CACHED_KEYS = 100_000
 COALESCED_TYPES = frozenset({events_pb2.MetricSample.DESCRIPTOR.full_name})
+SIGNED_TYPES = (events_pb2.HealingCommand,)
+
+
+class DeadLetter(Exception):
+    """Raised by a handler: this record must not be handled; it goes to the dead-letter topic with the reason.
+
+    `category` is a short, bounded label (for metrics); the message is the reason header.
+    """
+
+    def __init__(self, category: str, reason: str) -> None:
+        super().__init__(reason)
+        self.category = category
 
 
 async def ensure_topics(settings: Settings, topics: Sequence[str] | None = None) -> None:
     """Create the SITS topics that do not exist yet."""
     wanted = list(topics) if topics is not None else Topics(settings.topic_prefix).all()
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(**kafka_client_options(settings))
     await admin.start()
     try:
         existing = set(await admin.list_topics())
@@ -76,12 +93,23 @@ async def ensure_topics(settings: Settings, topics: Sequence[str] | None = None)
 
 
 class EventProducer:
-    """Publishes SITS events; an async context manager whose stop() is safe twice."""
+    """Publishes SITS events; an async context manager whose stop() is safe twice.
 
-    def __init__(self, settings: Settings, *, linger_ms: int = 2, max_batch_bytes: int = 16384) -> None:
+    With a `signer`, every HealingCommand record carries its signature headers.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        linger_ms: int = 2,
+        max_batch_bytes: int = 16384,
+        signer: Signer | None = None,
+    ) -> None:
         self._settings = settings
+        self._signer = signer
         self._producer = AIOKafkaProducer(
-            bootstrap_servers=settings.kafka_bootstrap,
+            **kafka_client_options(settings),
             enable_idempotence=settings.kafka_enable_idempotence,
             acks="all",
             linger_ms=linger_ms,
@@ -95,7 +123,13 @@ class EventProducer:
 
     async def start(self) -> None:
         if not self._started:
-            await self._producer.start()
+            try:
+                await self._producer.start()
+            except BaseException:
+                # A broker refusing us (TLS, SASL) leaves the client half open: close it before raising.
+                with contextlib.suppress(Exception):
+                    await self._producer.stop()
+                raise
             self._started = True
 
     async def stop(self) -> None:
@@ -124,14 +158,13 @@ class EventProducer:
         meta = meta_of(message)
         key = target_key(meta.target)
         partition = await self._partition(topic, key)
+        value = message.SerializeToString()
+        key_bytes = key.encode()
+        headers: list[Header] = cloudevent_headers(message, key)
+        if self._signer is not None and isinstance(message, SIGNED_TYPES):
+            headers.extend(self._signer.headers(key_bytes, value))
         if not traced:
-            future = await self._producer.send(
-                topic,
-                value=message.SerializeToString(),
-                key=key.encode(),
-                headers=cloudevent_headers(message, key),
-                partition=partition,
-            )
+            future = await self._producer.send(topic, value=value, key=key_bytes, headers=headers, partition=partition)
         else:
             with tracer.start_as_current_span(
                 f"{topic} publish",
@@ -143,10 +176,9 @@ class EventProducer:
                     "sits.event_type": message.DESCRIPTOR.full_name,
                 },
             ):
-                headers: list[Header] = cloudevent_headers(message, key)
                 inject_headers(headers)
                 future = await self._producer.send(
-                    topic, value=message.SerializeToString(), key=key.encode(), headers=headers, partition=partition
+                    topic, value=value, key=key_bytes, headers=headers, partition=partition
                 )
         counter = self._out_counters.get(topic)
         if counter is None:
@@ -187,6 +219,9 @@ class ReceivedEvent:
     headers: tuple[Header, ...]
     # How many samples this one stands for after coalescing (1 when none were folded in).
     coalesced: int = 1
+    # The record's key and value as they came off the wire (what a signature covers).
+    record_key: bytes = b""
+    record_value: bytes = b""
 
     @property
     def event_type(self) -> str:
@@ -252,7 +287,7 @@ class EventConsumer:
         self._group_id = group_id
         self._consumer = AIOKafkaConsumer(
             *self._topics,
-            bootstrap_servers=settings.kafka_bootstrap,
+            **kafka_client_options(settings),
             group_id=group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
@@ -317,9 +352,14 @@ class EventConsumer:
                 message=message,
                 headers=tuple(record.headers),
                 coalesced=folded,
+                record_key=record.key or b"",
+                record_value=record.value or b"",
             )
             try:
                 await self._handle_traced(event)
+            except DeadLetter as refused:
+                # Refused by the handler: dead-lettered like an undecodable record, and done with.
+                await self._dead_letter(record, refused.category, str(refused))
             except Exception:
                 # Everything before this record is done; this one and the rest come again.
                 log.exception("handler failed on %s[%d]@%d; retrying", record.topic, record.partition, record.offset)
@@ -407,7 +447,11 @@ class EventConsumer:
                 raise EnvelopeError("malformed_header", f"malformed traceparent {traceparent!r}")
             return decode_events(headers, record.value)
         except EnvelopeError as err:
-            reason, category = str(err), err.category
+            await self._dead_letter(record, err.category, str(err))
+        return None
+
+    async def _dead_letter(self, record: ConsumerRecord[bytes, bytes], category: str, reason: str) -> None:
+        headers = list(record.headers)
         await self._dlq.forward_raw(
             self._dlq_topic,
             record.key,
@@ -425,7 +469,6 @@ class EventConsumer:
         self.stats.dead_letter_reasons[category] = self.stats.dead_letter_reasons.get(category, 0) + 1
         metrics.DEAD_LETTERS.labels(topic=record.topic, reason=category).inc()
         log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
-        return None
 
     async def _commit(self, tp: TopicPartition, next_offset: int) -> None:
         await self._consumer.commit({tp: next_offset})

@@ -2,8 +2,9 @@
 
 `grpc.health.v1` (SERVING once started, NOT_SERVING while draining), server
 reflection, W3C trace context from call metadata (OpenTelemetry's server
-interceptor), bearer-token authentication on mutating methods, and a bound
-on message size.
+interceptor), bearer-token authentication on mutating methods, a bound
+on message size, and TLS (optionally mutual) when given server credentials
+(`sits.runtime.grpc_tls.server_credentials(settings)`).
 """
 
 from __future__ import annotations
@@ -122,8 +123,10 @@ class GrpcServer:
         mutating_methods: Iterable[str] = (),
         max_message_bytes: int = 1 << 20,
         grace_s: float = 5.0,
+        credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         self._bindings = list(bindings)
+        self._credentials = credentials
         self._address = f"{bind}:{port}"
         self._grace_s = grace_s
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
@@ -150,6 +153,10 @@ class GrpcServer:
         self._running = False
 
     @property
+    def tls(self) -> bool:
+        return self._credentials is not None
+
+    @property
     def address(self) -> str:
         host = self._address.rsplit(":", 1)[0]
         return f"{host}:{self.port}"
@@ -157,7 +164,10 @@ class GrpcServer:
     async def start(self) -> None:
         if self._running:
             return
-        self.port = self._server.add_insecure_port(self._address)
+        if self._credentials is None:
+            self.port = self._server.add_insecure_port(self._address)
+        else:
+            self.port = self._server.add_secure_port(self._address, self._credentials)
         if self.port == 0:
             raise OSError(f"cannot listen on {self._address}")
         await self._server.start()

@@ -2,7 +2,8 @@
 
 For tools that watch (the live view, the demo recorder, SRE scripts): every
 partition is assigned explicitly, which also works for clients whose group
-support is weak, and starts in milliseconds.
+support is weak, and starts in milliseconds. Given `Settings` instead of a
+bootstrap address, it connects as the services do (TLS, SASL).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from aiokafka.errors import KafkaError
 from google.protobuf.message import Message
 
 from sits.runtime.events import EnvelopeError, decode_events
+from sits.runtime.kafka_security import kafka_options_for
+from sits.runtime.settings import Settings
 
 
 class TopicTap:
@@ -25,16 +28,15 @@ class TopicTap:
 
     def __init__(
         self,
-        bootstrap: str,
+        bootstrap: str | Settings,
         topics: Sequence[str],
         on_event: Callable[[str, Message], None],
         from_beginning: bool = False,
     ) -> None:
-        self._bootstrap = bootstrap
         self._topics = list(topics)
         self._on_event = on_event
         self._from_beginning = from_beginning
-        self._consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        self._consumer = AIOKafkaConsumer(**kafka_options_for(bootstrap), enable_auto_commit=False)
         self._task: asyncio.Task[None] | None = None
         self.undecodable = 0
 

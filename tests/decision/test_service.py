@@ -10,6 +10,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from services.decision.main import DecisionSettings, serve
 from sits.runtime.bus import EventProducer, ensure_topics
 from sits.runtime.events import Topics
+from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.settings import Settings
 from sits.v1 import common_pb2, events_pb2
 from tests.decision.decision_builders import rules_policy_text
@@ -27,7 +28,7 @@ def _sample(event_id: str, seq: int, kv: float) -> events_pb2.MetricSample:
 
 
 async def _read_commands(settings: Settings, topic: str, timeout_s: float) -> list[events_pb2.HealingCommand]:
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(**kafka_options_for(settings.kafka_bootstrap), enable_auto_commit=False)
     await consumer.start()
     out: list[events_pb2.HealingCommand] = []
     try:

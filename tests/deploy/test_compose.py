@@ -142,7 +142,7 @@ def test_sits_services_are_wired_alike(services: dict[str, dict[str, Any]]) -> N
         assert service["command"] == [name]
         assert service["build"]["dockerfile"] == "deploy/docker/Dockerfile"
         assert env["SITS_KAFKA_BOOTSTRAP"] == "kafka:9092"
-        assert env["SITS_REDIS_URL"].startswith("redis://redis:6379/")
+        assert env["SITS_REDIS_URL"].startswith(("redis://redis:6379/", "rediss://sits@redis:6379/"))
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
         assert env["SITS_GRPC_BIND"] == "0.0.0.0"
         assert env["SITS_AUTH_TOKEN_FILE"] == "/run/secrets/sits_token"
@@ -214,12 +214,24 @@ def test_tracing_goes_to_jaeger_over_otlp(services: dict[str, dict[str, Any]]) -
     assert any(str(p).startswith("4317:") for p in jaeger["ports"])
 
 
-def test_mounted_files_exist(services: dict[str, dict[str, Any]]) -> None:
-    for name, service in services.items():
-        for volume in service.get("volumes", []):
-            source = str(volume).split(":", 1)[0]
-            if source.startswith("./"):
-                assert (REPO / source).exists(), f"{name} mounts {source}, which does not exist"
+# Made by the set-up commands in docker-compose.yml's header, not committed.
+SECRETS_MADE_BY = {
+    "./.secrets/tls": "sits tls dev-certs .secrets/tls",
+    "./.secrets/sits_token": "> .secrets/sits_token",
+    "./.secrets/sits_command_keys": "sits keys new .secrets/sits_command_keys",
+}
+
+
+def test_mounted_files_exist(compose: dict[str, Any], services: dict[str, dict[str, Any]]) -> None:
+    header = COMPOSE.read_text().split("\nname:", 1)[0]
+    sources = [str(v).split(":", 1)[0] for s in services.values() for v in s.get("volumes", [])]
+    sources += [str(secret["file"]) for secret in compose.get("secrets", {}).values()]
+    for source in sources:
+        if source.startswith("./.secrets/"):
+            assert source in SECRETS_MADE_BY and SECRETS_MADE_BY[source] in header, f"nothing says how {source} is made"
+        elif source.startswith("./"):
+            assert (REPO / source).exists(), f"{source} is mounted but does not exist"
+    for service in services.values():
         build = service.get("build")
         if build:
             assert (REPO / build["context"] / build["dockerfile"]).is_file()
@@ -276,3 +288,81 @@ def test_prometheus_scrapes_every_service_on_its_metrics_port(services: dict[str
         host = service["network_mode"].removeprefix("service:") if "network_mode" in service else name
         assert f"{host}:{env_of(service)['SITS_METRICS_PORT']}" in targets
     assert "envoy:9902" in targets
+
+
+def tls_references(services: dict[str, dict[str, Any]]) -> dict[str, set[str]]:
+    """Per service, the file names it reads from where ./.secrets/tls is mounted (env, command, health check)."""
+    out: dict[str, set[str]] = {}
+    for name, service in services.items():
+        mounts = [v.split(":")[1] for v in service.get("volumes", []) if v.startswith("./.secrets/tls:")]
+        if not mounts:
+            continue
+        text = " ".join(
+            [
+                *env_of(service).values(),
+                *map(str, service.get("command") or []),
+                *map(str, service["healthcheck"]["test"]),
+            ]
+        )
+        names = {m.group(1) for mount in mounts for m in re.finditer(re.escape(mount) + r"/([A-Za-z0-9_.-]+)", text)}
+        if name == "kafka":  # the apache/kafka image takes file names inside /etc/kafka/secrets
+            env = env_of(service)
+            names |= {env[k] for k in env if k.endswith(("_FILENAME", "_CREDENTIALS"))}
+        out[name] = names
+    return out
+
+
+def test_the_tls_set_up_reads_only_files_dev_certs_writes_and_they_fit(
+    services: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import pkcs12
+
+    from sits.stack.devcerts import write_compose_certs
+
+    written = {p.name: p for p in write_compose_certs(tmp_path)}
+    references = tls_references(services)
+    assert {"kafka", "redis", "vllm", *SITS_SERVICES, "admission"} <= set(references)
+    for name, files in references.items():
+        assert files, f"{name} mounts the TLS folder and reads nothing from it"
+        assert files <= set(written), f"{name} reads {sorted(files - set(written))}, which dev-certs does not write"
+
+    def hosts(cert: str) -> set[str]:
+        loaded = x509.load_pem_x509_certificate(written[cert].read_bytes())
+        names = loaded.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        return {str(n.value) for n in names}
+
+    assert {"kafka", "localhost"} <= hosts("kafka.crt")  # advertised host, and the health check's
+    assert "redis" in hosts("redis.crt")
+    sits_hosts = {env_of(services[n])[f"SITS_{n.upper()}_ADDR"].rsplit(":", 1)[0] for n in SITS_SERVICES}
+    assert sits_hosts | {"localhost"} <= hosts("sits.crt")
+    password = written["kafka_keystore_password"].read_bytes()
+    key, cert, _ = pkcs12.load_key_and_certificates(written["kafka.p12"].read_bytes(), password)
+    assert key is not None and cert is not None and "kafka" in str(cert.subject)
+    acl = written["redis_users.acl"].read_text()
+    assert "user default off" in acl and "user sits on #" in acl
+    assert written["redis_password"].read_text() not in acl, "the ACL file holds the password hashed"
+
+
+def test_sits_speaks_tls_everywhere_and_only_signed_commands_steer(services: dict[str, dict[str, Any]]) -> None:
+    kafka = env_of(services["kafka"])
+    assert kafka["KAFKA_ADVERTISED_LISTENERS"].startswith("SSL://")
+    assert "PLAINTEXT://" not in kafka["KAFKA_LISTENERS"].replace("CONTROLLER://", "")
+    redis = [str(a) for a in services["redis"]["command"]]
+    assert redis[redis.index("--port") + 1] == "0" and "--tls-port" in redis and "--aclfile" in redis
+    for name in (*SITS_SERVICES, "admission"):
+        env = env_of(services[name])
+        assert env["SITS_KAFKA_SECURITY_PROTOCOL"] == "SSL"
+        assert env["SITS_REDIS_URL"].startswith("rediss://") and env["SITS_REDIS_PASSWORD_FILE"]
+        assert env["SITS_GRPC_TLS"] == "true" and env["SITS_GRPC_TLS_REQUIRE_CLIENT_CERT"] == "true"
+    vllm = env_of(services["vllm"])
+    assert {"SITS_OOM_HOOK_TLS_CA_FILE", "SITS_OOM_HOOK_TLS_CERT_FILE", "SITS_OOM_HOOK_TLS_KEY_FILE"} <= set(vllm)
+    for name, variable in (
+        ("decision", "SITS_COMMAND_SIGNING_KEY_FILE"),
+        ("validator", "SITS_COMMAND_SIGNING_KEY_FILE"),
+        ("executor", "SITS_EXECUTOR_VERIFY_KEYS_FILE"),
+    ):
+        assert env_of(services[name])[variable] == "/run/secrets/sits_command_keys"
+        assert "sits_command_keys" in services[name]["secrets"]
+    assert "sits_command_keys" not in services["capture"].get("secrets", [])
+    assert not any("SITS_EXECUTOR_ACCEPT_UNSIGNED" in env_of(s) for s in services.values())

@@ -163,3 +163,63 @@ def test_images_are_pinned_by_the_kustomization(kustomization: dict[str, Any], r
         if resource["kind"] == "Deployment":
             for container in resource["spec"]["template"]["spec"]["containers"]:
                 assert container["image"].split(":")[0] in names
+
+
+def file_settings(resources: list[Resource], name: str) -> dict[str, str]:
+    """Every SITS_*_FILE the container of sits-<name> gets (ConfigMap and its own env), with its path."""
+    container = one(resources, "Deployment", f"sits-{name}")["spec"]["template"]["spec"]["containers"][0]
+    values = dict(config_map(resources))
+    values.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
+    return {k: v for k, v in values.items() if k.startswith(ENV_PREFIX) and k.endswith("_FILE")}
+
+
+def mounted_secret_file(resources: list[Resource], name: str, path: str) -> tuple[str, str]:
+    """(secret name, key) that `path` is in sits-<name>'s container; fails if no mounted Secret holds it."""
+    pod = one(resources, "Deployment", f"sits-{name}")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for mount in pod["containers"][0]["volumeMounts"]:
+        folder = mount["mountPath"].rstrip("/") + "/"
+        if not path.startswith(folder):
+            continue
+        assert "subPath" not in mount, f"{name}: {path} is mounted with subPath, which never sees a rotation"
+        secret = volumes[mount["name"]]["secret"]
+        key = path[len(folder) :]
+        items = secret.get("items")
+        assert items is None or key in [i["path"] for i in items], f"{name}: {path} is not among the items"
+        return str(secret["secretName"]), key
+    raise AssertionError(f"{name}: nothing is mounted where {path} points")
+
+
+def test_every_secret_file_setting_is_a_mounted_secret_key(resources: list[Resource]) -> None:
+    secrets = {r["metadata"]["name"]: r for r in resources if r["kind"] == "Secret"}
+    for name in SITS_SERVICES:
+        for variable, path in file_settings(resources, name).items():
+            secret, key = mounted_secret_file(resources, name, path)
+            assert secret in secrets, f"{name}: {variable} reads Secret {secret}, which the base does not have"
+            assert key in secrets[secret]["stringData"], f"{name}: {variable} reads {secret}/{key}, not in it"
+
+
+def test_kafka_and_redis_are_reached_over_tls_with_credentials_from_secrets(resources: list[Resource]) -> None:
+    settings = config_map(resources)
+    assert settings["SITS_KAFKA_SECURITY_PROTOCOL"] in ("SSL", "SASL_SSL")
+    assert settings["SITS_KAFKA_SSL_CA_FILE"] and settings["SITS_KAFKA_SASL_PASSWORD_FILE"]
+    assert settings["SITS_REDIS_URL"].startswith("rediss://")
+    assert ":" not in settings["SITS_REDIS_URL"].split("//", 1)[1].split("@", 1)[0], "no password in the URL"
+    assert settings["SITS_REDIS_PASSWORD_FILE"]
+    # Istio's mTLS carries the gRPC calls (and the kubelet's gRPC probes speak no TLS).
+    assert settings.get("SITS_GRPC_TLS", "false") == "false"
+    peer = one(resources, "PeerAuthentication", "sits")
+    assert peer["spec"]["mtls"]["mode"] == "STRICT"
+
+
+def test_signers_and_the_executor_get_their_command_keys(resources: list[Resource]) -> None:
+    for name, variable, key in (
+        ("decision", "SITS_COMMAND_SIGNING_KEY_FILE", "signing"),
+        ("validator", "SITS_COMMAND_SIGNING_KEY_FILE", "signing"),
+        ("executor", "SITS_EXECUTOR_VERIFY_KEYS_FILE", "verify"),
+    ):
+        path = file_settings(resources, name).get(variable)
+        assert path is not None, f"{name} has no {variable}"
+        assert mounted_secret_file(resources, name, path) == ("sits-command-keys", key)
+    assert "SITS_EXECUTOR_VERIFY_KEYS_FILE" not in file_settings(resources, "decision")
+    assert "SITS_EXECUTOR_ACCEPT_UNSIGNED" not in config_map(resources)

@@ -30,6 +30,7 @@ from google.protobuf.message import Message
 from services.capture.traces import write_trace
 from sits.runtime.bus import EventProducer
 from sits.runtime.events import EnvelopeError, Topics, decode_event, decode_events, header_value, new_meta
+from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.redis import connect
 from sits.runtime.settings import Settings
 from sits.stack.embedded import EmbeddedStack, StackConfig
@@ -254,7 +255,7 @@ class Record:
 async def read_topics(bootstrap: str, topics: Iterable[str], timeout_s: float = 30.0) -> dict[str, list[Record]]:
     """Every record now in `topics`, from the start to the end offsets taken when reading began."""
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, enable_auto_commit=False, max_partition_fetch_bytes=4 << 20
+        **kafka_options_for(bootstrap), enable_auto_commit=False, max_partition_fetch_bytes=4 << 20
     )
     await consumer.start()
     out: dict[str, list[Record]] = {t: [] for t in topics}
@@ -297,8 +298,8 @@ async def _partitions(consumer: AIOKafkaConsumer, topics: list[str]) -> list[Top
 
 async def group_backlog(bootstrap: str, group: str, topics: Iterable[str]) -> dict[TopicPartition, int]:
     """Records not yet committed by `group`, per partition (end offset minus committed offset)."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    consumer = AIOKafkaConsumer(**kafka_options_for(bootstrap), enable_auto_commit=False)
+    admin = AIOKafkaAdminClient(**kafka_options_for(bootstrap))
     await consumer.start()
     await admin.start()
     try:
@@ -402,7 +403,7 @@ async def forget_executor_keys(redis_url: str, engines: Iterable[str], commands:
             ids = await client.zrange(f"{EXECUTOR_REDIS_PREFIX}actions:{engine}", 0, -1)
             keys += [f"{EXECUTOR_REDIS_PREFIX}action:{_text(i)}" for i in ids]
             keys += [f"{EXECUTOR_REDIS_PREFIX}{kind}:{engine}" for kind in ("actions", "lease", "fence", "pressure")]
-        keys += [f"{EXECUTOR_REDIS_PREFIX}applied:{c}" for c in commands]
+        keys += [f"{EXECUTOR_REDIS_PREFIX}{kind}:{c}" for c in commands for kind in ("applied", "digest")]
         for start in range(0, len(keys), 500):
             await client.delete(*keys[start : start + 500])
     finally:

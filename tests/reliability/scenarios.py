@@ -371,7 +371,7 @@ async def redis_outage_scenario(run_dir: Path, topic_prefix: str, outage_s: floa
             rs = h.ReliabilityStack(stack, engines, "reliability-host", topics)
             executor = rs.process("executor")
             pid = executor.pid
-            async with EventProducer(stack.settings) as producer:
+            async with EventProducer(stack.settings, signer=stack.command_signer()) as producer:
                 warm = h.pressure_command(rs.target(0), 0.2, deadline_s=60)
                 await producer.publish(topics.commands, warm)
                 warm_ok = await _until(lambda: _status_is(rs, warm.command_id, events_pb2.ACTION_STATUS_APPLIED), 30)
@@ -394,19 +394,21 @@ async def redis_outage_scenario(run_dir: Path, topic_prefix: str, outage_s: floa
                         lambda: _status_is(rs, in_time.command_id, events_pb2.ACTION_STATUS_APPLIED), 60, 0.2
                     )
                     recovery_s = time.monotonic() - up_at
-                    stale = await _until(
-                        lambda: _status_is(rs, too_late.command_id, events_pb2.ACTION_STATUS_SKIPPED_STALE), 10
-                    )
+                    # Past its deadline when Redis returned: refused at the executor's entry, never applied late.
+                    stale = await _until(lambda: _dead_lettered_as(rs, too_late.command_id, "expired"), 10)
                     after_code, _ = await _apply_status(stub, rs, h.pressure_command(rs.target(0), 0.6, 60))
             statuses = await _statuses(rs)
+            dead = {too_late.command_id} if stale else set()
+            # A command is handled when it has a result, or was dead-lettered (the late one: expired).
+            handled = [c for c in (warm, in_time, too_late) if statuses.get(c.command_id) or c.command_id in dead]
             figures: Figures = {
                 "sent": 3,
-                "handled": sum(1 for c in (warm, in_time, too_late) if statuses.get(c.command_id)),
-                "dead_lettered": 0,
+                "handled": len(handled),
+                "dead_lettered": len(dead),
                 "duplicates_applied": sum(
                     max(0, [*v].count(events_pb2.ACTION_STATUS_APPLIED) - 1) for v in statuses.values()
                 ),
-                "lost": sum(1 for c in (warm, in_time, too_late) if not statuses.get(c.command_id)),
+                "lost": 3 - len(handled),
                 "warm_applied": warm_ok,
                 "grpc_while_down": refused_code.name,
                 "grpc_while_down_detail": refused_detail,
@@ -445,6 +447,18 @@ async def _statuses(rs: h.ReliabilityStack) -> dict[str, list[int]]:
 
 async def _status_is(rs: h.ReliabilityStack, command_id: str, status: int) -> bool:
     return status in (await _statuses(rs)).get(command_id, [])
+
+
+async def _dead_lettered_as(rs: h.ReliabilityStack, command_id: str, category: str) -> bool:
+    """The command is on the dead-letter topic with `category` as its reason, and has no result."""
+    records = await h.read_topics(rs.settings.kafka_bootstrap, [rs.topics.deadletter])
+    refused = any(
+        isinstance(m := r.message(), events_pb2.HealingCommand)
+        and m.command_id == command_id
+        and (r.header("sits_dlq_reason") or "").startswith(f"{category}:")
+        for r in records[rs.topics.deadletter]
+    )
+    return refused and not (await _statuses(rs)).get(command_id)
 
 
 # ---------------------------------------------------------------------------- load

@@ -14,7 +14,15 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from prometheus_client import REGISTRY
 
-from sits.runtime.bus import EventConsumer, EventProducer, PartitionLag, ReceivedEvent, ensure_topics, lag_by_topic
+from sits.runtime.bus import (
+    DeadLetter,
+    EventConsumer,
+    EventProducer,
+    PartitionLag,
+    ReceivedEvent,
+    ensure_topics,
+    lag_by_topic,
+)
 from sits.runtime.events import (
     DLQ_REASON_HEADER,
     EnvelopeError,
@@ -25,7 +33,9 @@ from sits.runtime.events import (
     metric_batch,
     new_meta,
 )
+from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.settings import Settings
+from sits.runtime.signing import KEY_ID_HEADER, SIGNATURE_HEADER, Signer, new_key
 from sits.v1 import common_pb2, events_pb2
 from tests.waiting import eventually
 
@@ -42,7 +52,7 @@ def sample(seq: int, engine: str = "vllm-0", used: int = 1 << 30) -> events_pb2.
 
 async def read_all(settings: Settings, topic: str, expected: int, timeout_s: float = 10.0) -> list:
     """Read a topic from the start with manual assignment until `expected` records arrive."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(**kafka_options_for(settings.kafka_bootstrap), enable_auto_commit=False)
     await consumer.start()
     try:
         parts = [TopicPartition(topic, p) for p in range(settings.kafka_partitions)]
@@ -96,7 +106,7 @@ async def test_bad_records_go_to_dead_letters_and_consumption_continues(settings
     await ensure_topics(settings)
     good = sample(1)
     good_headers = cloudevent_headers(good)
-    raw = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+    raw = AIOKafkaProducer(**kafka_options_for(settings.kafka_bootstrap))
     await raw.start()
     try:
         key = b"h/GPU-1//vllm-0"
@@ -289,7 +299,7 @@ async def test_a_stuck_consumer_reports_how_old_its_waiting_record_is(settings: 
     """Lag in seconds comes from the records' write times, so it reads the same however capture packs samples."""
     await ensure_topics(settings)
     stuck = sample(1)
-    raw = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+    raw = AIOKafkaProducer(**kafka_options_for(settings.kafka_bootstrap))
     await raw.start()
     try:
         written_ms = int((time.time() - 120.0) * 1000)  # written two minutes ago
@@ -343,3 +353,53 @@ def test_stop_twice_is_safe(settings: Settings) -> None:
     with contextlib.suppress(RuntimeError):
         asyncio.get_event_loop()
     asyncio.run(go())
+
+
+async def test_a_handler_refusing_a_record_dead_letters_it_as_received_and_consumption_goes_on(
+    settings: Settings, topics: Topics
+) -> None:
+    """DeadLetter from a handler (the executor's signature gate uses it): the record goes to the dead-letter
+    topic byte for byte with the reason, the next one is handled, and the refused one is committed."""
+    await ensure_topics(settings)
+    signer = Signer([new_key("k1")])
+    refused_sample, good = sample(1), sample(2)
+    command = events_pb2.HealingCommand(command_id="c1", kind=events_pb2.ACTION_KIND_FLUSH_CACHE)
+    command.meta.CopyFrom(sample(3).meta)
+    handled: list[int] = []
+
+    async def handle(event: ReceivedEvent) -> None:
+        if isinstance(event.message, events_pb2.MetricSample) and event.message.sequence == 1:
+            raise DeadLetter("refused_for_test", "refused_for_test: the handler said no")
+        handled.append(getattr(event.message, "sequence", -1))
+
+    async with EventProducer(settings, signer=signer) as producer:
+        for message in (refused_sample, command, good):
+            await producer.publish(topics.metrics, message)
+        for attempt in range(2):  # the second consumer of the group finds nothing left: all was committed
+            consumer = EventConsumer(
+                settings,
+                group_id=f"{topics.prefix}g",
+                topics=[topics.metrics],
+                handler=handle,
+                dead_letters=producer,
+                coalesce=False,  # every sample reaches the handler
+            )
+            async with consumer:
+                stop = asyncio.Event()
+                task = asyncio.create_task(consumer.run(stop))
+                if attempt == 0:
+                    assert await eventually(lambda: len(handled) == 2, timeout_s=20)
+                else:
+                    await asyncio.sleep(1.0)  # a poll or two: nothing may come again
+                stop.set()
+                await asyncio.wait_for(task, 5)
+    assert handled == [-1, 2], "the command (no sequence) and the good sample, each once"
+    (letter,) = await read_all(settings, topics.deadletter, 1)
+    headers = dict(letter.headers)
+    assert headers[DLQ_REASON_HEADER] == b"refused_for_test: the handler said no"
+    assert letter.value == refused_sample.SerializeToString()
+    records = await read_all(settings, topics.metrics, 3)
+    signed = [dict(r.headers) for r in records if dict(r.headers)["ce_type"] == b"sits.v1.HealingCommand"]
+    unsigned = [dict(r.headers) for r in records if dict(r.headers)["ce_type"] == b"sits.v1.MetricSample"]
+    assert len(signed) == 1 and KEY_ID_HEADER in signed[0] and SIGNATURE_HEADER in signed[0]
+    assert all(KEY_ID_HEADER not in h for h in unsigned), "only HealingCommands are signed"

@@ -64,6 +64,7 @@ def _render(args: argparse.Namespace, policy: MeshPolicy) -> int:
 
 
 async def _serve(args: argparse.Namespace, policy: MeshPolicy) -> int:
+    from sits.runtime.grpc_tls import channel_credentials
     from sits.runtime.metrics import serve_metrics
     from sits.runtime.settings import Settings, load_settings
     from sits.v1 import common_pb2
@@ -72,7 +73,11 @@ async def _serve(args: argparse.Namespace, policy: MeshPolicy) -> int:
 
     admission = policy.admission
     target = common_pb2.Target(host=args.host_name, engine=admission.engine)
-    admitter = DecisionAdmitter(args.decision_addr, target, admission.decision_timeout_s)
+    # SITS_GRPC_TLS*: the decision service may serve TLS, and may want this process's certificate.
+    settings = load_settings(Settings)
+    admitter = DecisionAdmitter(
+        args.decision_addr, target, admission.decision_timeout_s, credentials=channel_credentials(settings)
+    )
     envoy = EnvoyAdmin(args.envoy_admin or f"http://{policy.admin.address}:{policy.admin.port}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -81,7 +86,6 @@ async def _serve(args: argparse.Namespace, policy: MeshPolicy) -> int:
             loop.add_signal_handler(sig, stop.set)
 
     # Shed counts and the bypass gauge, on SITS_METRICS_BIND:SITS_METRICS_PORT like every service.
-    settings = load_settings(Settings)
     metrics_port = serve_metrics(settings.metrics_port, settings.metrics_bind)
 
     def ready(server: ExtProcServer) -> None:

@@ -103,10 +103,22 @@ class NoPressure:
 
 
 class DecisionAdmitter:
-    """Asks the decision service's `Admit` over gRPC; raises AdmitterUnavailable when it cannot."""
+    """Asks the decision service's `Admit` over gRPC; raises AdmitterUnavailable when it cannot.
 
-    def __init__(self, address: str, target: common_pb2.Target, timeout_s: float = 0.2) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
+    `credentials`: TLS (and a client certificate) for a decision service that serves TLS
+    (`sits.runtime.grpc_tls.channel_credentials(settings)`); None: plaintext, as under Istio.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        target: common_pb2.Target,
+        timeout_s: float = 0.2,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self._channel = (
+            grpc.aio.insecure_channel(address) if credentials is None else grpc.aio.secure_channel(address, credentials)
+        )
         self._stub = decision_pb2_grpc.DecisionStub(self._channel)
         self._target = target
         self._timeout_s = timeout_s

@@ -50,6 +50,10 @@ class HookConfig:
     snapshot_dir: str = ""  # "" = no memory-history snapshot
     snapshot_max_entries: int = 20_000
     auth_token: str = ""
+    # TLS to a capture that serves it (SITS_GRPC_TLS): the CA, and a client certificate if it wants one.
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> HookConfig:
@@ -67,6 +71,9 @@ class HookConfig:
             snapshot_dir=get("SNAPSHOT_DIR", ""),
             snapshot_max_entries=int(get("SNAPSHOT_MAX_ENTRIES", str(cls.snapshot_max_entries))),
             auth_token=get("TOKEN", ""),
+            tls_ca_file=get("TLS_CA_FILE", ""),
+            tls_cert_file=get("TLS_CERT_FILE", ""),
+            tls_key_file=get("TLS_KEY_FILE", ""),
         )
 
 
@@ -289,7 +296,7 @@ class GrpcReporter:
 
             from sits.v1 import capture_pb2, events_pb2
 
-            channel = grpc.insecure_channel(self._config.capture_addr)
+            channel = self._channel(grpc)
             self._call = channel.unary_unary(
                 "/sits.v1.Capture/ReportOom",
                 request_serializer=events_pb2.OomEvent.SerializeToString,
@@ -299,6 +306,15 @@ class GrpcReporter:
         if self._config.auth_token:
             metadata.append(("authorization", f"Bearer {self._config.auth_token}"))
         self._call(event_to_proto(event), timeout=self._config.report_timeout_s, metadata=metadata)
+
+    def _channel(self, grpc: Any) -> Any:
+        config = self._config
+        if not config.tls_ca_file:
+            return grpc.insecure_channel(config.capture_addr)
+        key = Path(config.tls_key_file).read_bytes() if config.tls_key_file else None
+        chain = Path(config.tls_cert_file).read_bytes() if config.tls_cert_file else None
+        credentials = grpc.ssl_channel_credentials(Path(config.tls_ca_file).read_bytes(), key, chain)
+        return grpc.secure_channel(config.capture_addr, credentials)
 
 
 def event_to_proto(event: dict[str, Any]) -> Any:

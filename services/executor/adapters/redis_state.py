@@ -26,11 +26,21 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.executor.domain import BreakerBoard, BreakerRecord, BreakerState, Tier, TierBudgetRecord
+from sits.runtime.redis import explain as explain_redis_error
 from sits.v1 import events_pb2
 
 
 class StateUnavailable(RuntimeError):
-    """Redis cannot be reached or answered with an error."""
+    """Redis cannot be reached or answered with an error.
+
+    When the cause is SITS's own credentials (a wrong password, a missing AUTH, an ACL
+    without the needed commands), the message says so instead of "unreachable".
+    """
+
+    def __str__(self) -> str:
+        cause = self.__cause__
+        reason = explain_redis_error(cause) if cause is not None else None
+        return reason if reason is not None else super().__str__()
 
 
 class LeaseHeld(RuntimeError):
