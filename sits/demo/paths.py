@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from services.decision.domain.kv_model import known_model
 from sits.stack.embedded import EmbeddedStack, StackConfig
 from sits.stack.procs import ManagedProcess, free_port
 from sits.stack.vllm_engine import VllmServer
@@ -35,8 +36,9 @@ from sits_mesh.policy import MeshPolicy, load_policy
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MESH_POLICY = REPO_ROOT / "mesh" / "policy.yaml"
 ENGINE = "vllm-0"
-# The random Llama (sits.stack.vllm_engine): 2 layers x 2 KV heads x head_dim 64 x 2 (K and V) x bf16.
-KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 2
+# The random-weight Llama sits.stack.vllm_engine serves, by its name in the estimator's table.
+MODEL = "sits-random-llama"
+KV_BYTES_PER_TOKEN = known_model(MODEL).kv_bytes_per_token(2, 1)
 
 Progress = Callable[[str], None]
 
@@ -179,6 +181,9 @@ async def start_sits(
         "SITS_ENVOY_ADMIN_URL": envoy.admin_url,
         "SITS_ENVOY_PRESSURE_FILE": str(envoy.pressure_file),
         "SITS_DECISION_POLICY_FILE": str(decision_policy),
+        # KV bytes per token of the served model: admission answers in bytes, and the processor's bypass
+        # (no inspection while one request of the engine's largest size fits twice over) needs them.
+        "SITS_DECISION_ENGINE_MODELS": json.dumps({ENGINE: MODEL}),
         "SITS_VALIDATOR_ENGINES": json.dumps({ENGINE: engine.address}),
         "SITS_VALIDATOR_ENVOY_ADMIN_URL": envoy.admin_url,
         "SITS_VALIDATOR_ADMISSION_METRICS_URL": metrics_url,
