@@ -133,6 +133,44 @@ def _mark_rows(
 
 
 @triton.jit
+def _mark_row_groups(
+    table_ptr,
+    row_stride,
+    lens_ptr,
+    num_rows,
+    num_cols,
+    num_blocks,
+    used_mark_ptr,
+    blocks_per_seq_ptr,
+    pid,
+    num_row_groups,
+    num_row_programs,
+    HAS_LENS: tl.constexpr,
+    EVEN: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    """The mark phase of one row program (the fused and the two-launch kernels share it): row groups
+    pid, pid + programs, ... (inlined by Triton, so both kernels compile as before)."""
+    for group in range(pid, num_row_groups, num_row_programs):
+        _mark_rows(
+            table_ptr,
+            row_stride,
+            lens_ptr,
+            num_rows,
+            num_cols,
+            num_blocks,
+            used_mark_ptr,
+            blocks_per_seq_ptr,
+            group,
+            HAS_LENS,
+            EVEN,
+            ROWS,
+            COLS,
+        )
+
+
+@triton.jit
 def _mark_free(free_ptr, num_free, num_blocks, free_mark_ptr, group, FREE_BLOCK: tl.constexpr):
     offs = group * FREE_BLOCK + tl.arange(0, FREE_BLOCK)
     in_list = offs < num_free
@@ -260,22 +298,23 @@ def _stats_kernel(
 ):
     pid = tl.program_id(0)
     if pid < num_row_programs:
-        for group in range(pid, num_row_groups, num_row_programs):
-            _mark_rows(
-                table_ptr,
-                row_stride,
-                lens_ptr,
-                num_rows,
-                num_cols,
-                num_blocks,
-                used_mark_ptr,
-                blocks_per_seq_ptr,
-                group,
-                HAS_LENS,
-                EVEN,
-                ROWS,
-                COLS,
-            )
+        _mark_row_groups(
+            table_ptr,
+            row_stride,
+            lens_ptr,
+            num_rows,
+            num_cols,
+            num_blocks,
+            used_mark_ptr,
+            blocks_per_seq_ptr,
+            pid,
+            num_row_groups,
+            num_row_programs,
+            HAS_LENS,
+            EVEN,
+            ROWS,
+            COLS,
+        )
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + _SYNC_ROWS, 1, sem="release", scope="gpu")
     elif pid < num_mark_programs:
@@ -315,22 +354,23 @@ def _mark_kernel(
 ):
     pid = tl.program_id(0)
     if pid < num_row_programs:
-        for group in range(pid, num_row_groups, num_row_programs):
-            _mark_rows(
-                table_ptr,
-                row_stride,
-                lens_ptr,
-                num_rows,
-                num_cols,
-                num_blocks,
-                used_mark_ptr,
-                blocks_per_seq_ptr,
-                group,
-                HAS_LENS,
-                EVEN,
-                ROWS,
-                COLS,
-            )
+        _mark_row_groups(
+            table_ptr,
+            row_stride,
+            lens_ptr,
+            num_rows,
+            num_cols,
+            num_blocks,
+            used_mark_ptr,
+            blocks_per_seq_ptr,
+            pid,
+            num_row_groups,
+            num_row_programs,
+            HAS_LENS,
+            EVEN,
+            ROWS,
+            COLS,
+        )
     else:
         _mark_free(free_ptr, num_free, num_blocks, free_mark_ptr, pid - num_row_programs, FREE_BLOCK)
 

@@ -8,7 +8,8 @@ unreachable, ABORTED when another executor holds the target's lease.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -22,6 +23,24 @@ MUTATING_METHODS = (f"/{SERVICE_NAME}/Apply", f"/{SERVICE_NAME}/Rollback")
 MAX_LIST = 500
 
 Context = grpc.aio.ServicerContext[Any, Any]
+T = TypeVar("T")
+
+
+async def answered(context: Context, call: Awaitable[T]) -> T:
+    """The call's result, or the status its failure maps to (the context aborts the RPC)."""
+    try:
+        return await call
+    except InvalidCommand as error:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(error.reasons))
+    except ActionNotFound as error:
+        await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+    except StateUnavailable as error:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"refusing mutating action: {error}")
+    except EngineUnavailable as error:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+    except LeaseHeld as error:
+        await context.abort(grpc.StatusCode.ABORTED, str(error))
+    raise AssertionError("unreachable: abort raises")
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
@@ -29,34 +48,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._executor = executor
 
     async def Apply(self, request: events_pb2.HealingCommand, context: Context) -> events_pb2.ActionResult:
-        try:
-            return await self._executor.handle(request)
-        except InvalidCommand as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(error.reasons))
-        except ActionNotFound as error:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
-        except StateUnavailable as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"refusing mutating action: {error}")
-        except EngineUnavailable as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        except LeaseHeld as error:
-            await context.abort(grpc.StatusCode.ABORTED, str(error))
-        raise AssertionError("unreachable")
+        return await answered(context, self._executor.handle(request))
 
     async def Rollback(self, request: executor_pb2.RollbackRequest, context: Context) -> events_pb2.ActionResult:
         if not request.action_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "action_id is empty")
-        try:
-            return await self._executor.rollback(request.action_id, reason=request.reason)
-        except ActionNotFound as error:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
-        except StateUnavailable as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"refusing mutating action: {error}")
-        except EngineUnavailable as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        except LeaseHeld as error:
-            await context.abort(grpc.StatusCode.ABORTED, str(error))
-        raise AssertionError("unreachable")
+        return await answered(context, self._executor.rollback(request.action_id, reason=request.reason))
 
     async def ListActions(
         self, request: executor_pb2.ListActionsRequest, context: Context
