@@ -12,7 +12,7 @@ import pytest
 
 from services.executor.adapters.mig import MigGpu, NvmlMigHook
 from services.executor.mig.profiles import H200_141GB
-from services.executor.mig.standin import MigNvmlStandIn
+from tests.mig.nvml_standin import MigNvmlStandIn
 from services.executor.service import InvalidCommand
 from sits.stack.vllm_engine import VllmServer
 from sits.v1 import events_pb2

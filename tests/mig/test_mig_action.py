@@ -10,7 +10,7 @@ from services.executor.mig.action import MigRebalanceRefused, rebalance, restore
 from services.executor.mig.nvml_applier import NvmlMigApplier
 from services.executor.mig.planner import MigInstance, MigLayout, parse_layout_spec
 from services.executor.mig.profiles import H200_141GB
-from services.executor.mig.standin import MigNvmlStandIn
+from tests.mig.nvml_standin import MigNvmlStandIn
 
 GIB = 1 << 30
 H200 = "h200-141gb"

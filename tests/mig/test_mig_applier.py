@@ -22,7 +22,7 @@ from services.executor.mig.planner import (
     validate_layout,
 )
 from services.executor.mig.profiles import GPU_MODELS, H200_141GB, gpu_model
-from services.executor.mig.standin import MigNvmlStandIn
+from tests.mig.nvml_standin import MigNvmlStandIn
 
 GIB = 1 << 30
 H200 = "h200-141gb"

@@ -17,7 +17,7 @@ from services.executor.mig.profiles import (
     gpu_model,
     model_for_device_name,
 )
-from services.executor.mig.standin import MigNvmlStandIn
+from tests.mig.nvml_standin import MigNvmlStandIn
 
 DATA = Path(__file__).parent / "data"
 RECORDED = json.loads((DATA / "h200_nvml_profiles.json").read_text())

@@ -7,7 +7,7 @@ routing to them; in-flight streams finish or move). Safety rules:
 - it refuses on a GPU whose MIG mode is off, and never changes MIG mode (there is no call for it here);
 - it refuses when a drain step's tenant was not drained, or when the GPU's layout is not the one the
   plan was made from (a stale plan would destroy the wrong instances).
-`nvml` is the pynvml module, or `standin.MigNvmlStandIn` in tests.
+`nvml` is the pynvml module, or `tests/mig/nvml_standin.MigNvmlStandIn` in tests.
 """
 
 from __future__ import annotations
