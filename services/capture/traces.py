@@ -47,7 +47,14 @@ RecordKind = Literal["sample", "oom"]
 
 GPU_FIELDS = ("used_bytes", "total_bytes", "reserved_bytes", "free_bytes", "utilization_pct")
 PROCESS_FIELDS = ("pid", "used_bytes", "name", "is_target_engine")
-ALLOCATOR_FIELDS = ("allocated_bytes", "reserved_bytes", "inactive_split_bytes", "alloc_retries", "num_ooms")
+ALLOCATOR_FIELDS = (
+    "allocated_bytes",
+    "reserved_bytes",
+    "inactive_split_bytes",
+    "alloc_retries",
+    "num_ooms",
+    "allocated_floor_bytes",
+)
 ENGINE_FIELDS = (
     "kv_cache_usage",
     "num_requests_running",
@@ -59,7 +66,13 @@ ENGINE_FIELDS = (
     "kv_blocks_used",
     "block_size",
     "lora_adapters_loaded",
+    "max_num_seqs",
+    "max_num_batched_tokens",
 )
+# Fields added after the first traces were recorded: written only when set, so older records read
+# and write back unchanged.
+OPTIONAL_FIELDS = frozenset({"allocated_floor_bytes", "max_num_seqs", "max_num_batched_tokens"})
+LIMIT_FIELDS = ("max_num_running_reqs", "max_num_scheduled_tokens", "max_prefill_chunk_tokens", "admission_paused")
 OOM_FIELDS = ("requested_bytes", "device_free_bytes", "device_total_bytes")
 
 
@@ -265,6 +278,8 @@ def record_to_sample(
         sample.allocator.CopyFrom(events_pb2.AllocatorStats(**_pick(record["allocator"], ALLOCATOR_FIELDS)))
     if record.get("engine"):
         sample.engine.CopyFrom(events_pb2.EngineLoad(**_pick(record["engine"], ENGINE_FIELDS)))
+        if record["engine"].get("limits"):
+            sample.engine.limits.CopyFrom(events_pb2.EngineLimits(**_pick(record["engine"]["limits"], LIMIT_FIELDS)))
     return sample
 
 
@@ -297,7 +312,9 @@ def record_to_oom(
 
 
 def _message_fields(message: Any, names: tuple[str, ...]) -> dict[str, Any]:
-    return {name: getattr(message, name) for name in names}
+    return {
+        name: getattr(message, name) for name in names if name not in OPTIONAL_FIELDS or getattr(message, name)
+    }
 
 
 def sample_to_record(sample: events_pb2.MetricSample, t: float) -> Record:
@@ -311,6 +328,9 @@ def sample_to_record(sample: events_pb2.MetricSample, t: float) -> Record:
         record["allocator"] = _message_fields(sample.allocator, ALLOCATOR_FIELDS)
     if sample.HasField("engine"):
         record["engine"] = _message_fields(sample.engine, ENGINE_FIELDS)
+        limits: Any = sample.engine.limits
+        if sample.engine.HasField("limits"):
+            record["engine"]["limits"] = {name: getattr(limits, name) for name in LIMIT_FIELDS if limits.HasField(name)}
     return record
 
 

@@ -54,7 +54,14 @@ def target_to_pb(target: Target) -> common_pb2.Target:
 
 
 def _allocator_from_pb(a: events_pb2.AllocatorStats) -> AllocatorStats:
-    return AllocatorStats(a.allocated_bytes, a.reserved_bytes, a.inactive_split_bytes, a.alloc_retries, a.num_ooms)
+    return AllocatorStats(
+        a.allocated_bytes,
+        a.reserved_bytes,
+        a.inactive_split_bytes,
+        a.alloc_retries,
+        a.num_ooms,
+        a.allocated_floor_bytes,
+    )
 
 
 def _allocator_to_pb(a: AllocatorStats) -> events_pb2.AllocatorStats:
@@ -64,6 +71,7 @@ def _allocator_to_pb(a: AllocatorStats) -> events_pb2.AllocatorStats:
         inactive_split_bytes=a.inactive_split_bytes,
         alloc_retries=a.alloc_retries,
         num_ooms=a.num_ooms,
+        allocated_floor_bytes=a.allocated_floor_bytes,
     )
 
 
@@ -90,6 +98,8 @@ def sample_from_pb(sample: events_pb2.MetricSample) -> Sample:
             tiers=tuple(_tier_from_pb(t) for t in e.tiers),
             running_cap=e.limits.max_num_running_reqs if e.limits.HasField("max_num_running_reqs") else 0,
             max_num_seqs=e.max_num_seqs,
+            token_budget=e.limits.max_num_scheduled_tokens if e.limits.HasField("max_num_scheduled_tokens") else 0,
+            max_num_batched_tokens=e.max_num_batched_tokens,
         )
     return Sample(
         target=target_from_pb(meta.target),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from pydantic import Field
 from services.decision import convert, metrics
 from services.decision.domain.admission import EngineProfile
 from services.decision.domain.engine import ActionOutcome, DecisionEngine
-from services.decision.domain.kv_model import known_model
+from services.decision.domain.kv_model import ModelShape, known_model, shape_from_hf_config
 from services.decision.domain.policy import parse_policy
 from services.decision.domain.types import ActionKind, PlannedCommand
 from services.decision.grpc_api import MUTATING_METHODS, SERVICE_NAME, DecisionService
@@ -46,7 +47,8 @@ class DecisionSettings(CommandSigningSettings):
     decision_policy_file: Path = Field(DEFAULT_POLICY_FILE, description="Healing policy YAML loaded at start.")
     decision_engine_models: dict[str, str] = Field(
         default_factory=dict,
-        description="Engine name -> known model name (sits estimate's table), to turn tokens into KV bytes.",
+        description="Engine name -> known model name (sits estimate's table) or the path of the model's "
+        "config.json, to turn tokens into KV and activation bytes.",
     )
     decision_group: str = Field(
         "sits-decision", description="Kafka consumer group of the decision service (after SITS_TOPIC_PREFIX)."
@@ -138,7 +140,7 @@ class DecisionHandler:
 
 def build_engine(settings: DecisionSettings, clock: Clock) -> DecisionEngine:
     policy = parse_policy(settings.decision_policy_file.read_text(), version=1)
-    profiles = {engine: EngineProfile(known_model(model)) for engine, model in settings.decision_engine_models.items()}
+    profiles = {engine: EngineProfile(model_shape(model)) for engine, model in settings.decision_engine_models.items()}
     return DecisionEngine(policy, clock, profiles)
 
 
@@ -152,6 +154,13 @@ def command_signer(settings: CommandSigningSettings, service: str) -> Signer | N
     else:
         log.info("%s signs commands with key id %s", service, signer.key_id)
     return signer
+
+
+def model_shape(model: str) -> ModelShape:
+    """A known model's shape, or the shape a Hugging Face config.json names."""
+    if model.endswith(".json"):
+        return shape_from_hf_config(json.loads(Path(model).read_text()), name=Path(model).parent.name or model)
+    return known_model(model)
 
 
 async def serve(settings: DecisionSettings, stop: asyncio.Event) -> None:

@@ -34,6 +34,7 @@ def _allocator(raw: Mapping[str, Any] | None) -> AllocatorStats | None:
         _int(raw, "inactive_split_bytes"),
         _int(raw, "alloc_retries"),
         _int(raw, "num_ooms"),
+        _int(raw, "allocated_floor_bytes"),
     )
 
 
@@ -80,6 +81,9 @@ def record_to_sample(
             kv_blocks_used=_int(engine_raw, "kv_blocks_used"),
             block_size=_int(engine_raw, "block_size"),
             lora_adapters_loaded=_int(engine_raw, "lora_adapters_loaded"),
+            max_num_seqs=_int(engine_raw, "max_num_seqs"),
+            token_budget=_int(engine_raw.get("limits") or {}, "max_num_scheduled_tokens"),
+            max_num_batched_tokens=_int(engine_raw, "max_num_batched_tokens"),
         )
     return Sample(
         target=target,

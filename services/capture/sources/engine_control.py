@@ -36,6 +36,7 @@ def state_to_sample(state: dict[str, Any], target: common_pb2.Target) -> events_
     info = state.get("engine", {})
     engine.block_size = int(info.get("block_size", 0))
     engine.max_num_seqs = int(info.get("max_num_seqs", 0))
+    engine.max_num_batched_tokens = int(info.get("max_num_batched_tokens", 0))
     total = int(state.get("kv_blocks_total", 0))
     if total > 0:
         engine.kv_blocks_total = total
@@ -62,6 +63,19 @@ def state_to_sample(state: dict[str, Any], target: common_pb2.Target) -> events_
         )
         preemptions += load.preemptions
     engine.num_preemptions = preemptions
+    allocator = state.get("allocator") or {}
+    if allocator.get("reserved_bytes"):
+        # The engine's own caching allocator (the plugin reads it inside the EngineCore process).
+        sample.allocator.CopyFrom(
+            events_pb2.AllocatorStats(
+                allocated_bytes=int(allocator.get("allocated_bytes", 0)),
+                reserved_bytes=int(allocator["reserved_bytes"]),
+                inactive_split_bytes=int(allocator.get("inactive_split_bytes", 0)),
+                alloc_retries=int(allocator.get("alloc_retries", 0)),
+                num_ooms=int(allocator.get("num_ooms", 0)),
+                allocated_floor_bytes=int(allocator.get("allocated_floor_bytes", 0)),
+            )
+        )
     return sample
 
 

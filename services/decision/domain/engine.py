@@ -34,6 +34,7 @@ from services.decision.domain.policy import (
     ShedPriority,
 )
 from services.decision.domain.root_cause import classify
+from services.decision.domain.step_budget import StepBudgetTerms, StepMemory, step_memory
 from services.decision.domain.types import (
     NO_ROOT_CAUSE,
     ActionKind,
@@ -131,6 +132,10 @@ class _Context:
     forecast: Forecast
     root_cause: RootCause
     tier: str
+    # One step's memory at the engine's live token budget (None: not known for this target).
+    step: StepMemory | None = None
+    # Within controller.no_loosen_after_oom_s of an OOM on this target: nothing may loosen.
+    after_oom: bool = False
 
 
 class DecisionEngine:
@@ -323,12 +328,55 @@ class DecisionEngine:
                 floor = when.min_confidence / 2.0 if relaxed else when.min_confidence
                 if fc.confidence < floor:
                     return False
+        stepwise = when.step_headroom_below is not None or when.step_headroom_above is not None
+        if stepwise and not self._step_holds(when, ctx, margin):
+            return False
         return not (when.root_cause_in is not None and ctx.root_cause.kind.value not in when.root_cause_in)
+
+    def _step_terms(self) -> StepBudgetTerms:
+        s = self._policy.spec.step_budget
+        return StepBudgetTerms(s.min_tokens, s.reserve_mib << 20, s.allocator_overhead, s.fill, s.multiple_of)
+
+    def _step_memory(self, state: _TargetState) -> StepMemory | None:
+        window = state.window
+        engine = window.latest_engine
+        if engine is None or engine.max_num_batched_tokens <= 0:
+            engine = window.latest_plugin
+        return step_memory(
+            window.latest_gpu,
+            engine,
+            window.latest_allocator,
+            self._profiles.get(state.target.engine),
+            self._step_terms(),
+        )
+
+    def _step_holds(self, when: Conditions, ctx: _Context, margin: float) -> bool:
+        """The step-budget conditions: each also needs the budget it would set to differ from the live one."""
+        step = ctx.step
+        if step is None:
+            return False
+        fitted = step.fitted(self._step_terms())
+        if when.step_headroom_below is not None and not (
+            step.ratio < when.step_headroom_below + margin and fitted < step.live_budget
+        ):
+            return False
+        return when.step_headroom_above is None or (
+            not ctx.after_oom
+            and step.live_budget < step.ceiling
+            and step.ratio > when.step_headroom_above - margin
+            and fitted > step.live_budget
+        )
 
     def _apply_rules(
         self, state: _TargetState, t: float, cause_event_id: str, rules: Iterable[Rule], oom: OomEvent | None
     ) -> list[PlannedCommand]:
-        ctx = _Context(state.forecast, state.root_cause, self._policy.spec.tiers.of(state.target.engine))
+        ctx = _Context(
+            state.forecast,
+            state.root_cause,
+            self._policy.spec.tiers.of(state.target.engine),
+            step=self._step_memory(state),
+            after_oom=t < state.last_oom_t + self._policy.spec.controller.no_loosen_after_oom_s,
+        )
         commands: list[PlannedCommand] = []
         claimed: set[str] = set()
         for rule in rules:
@@ -390,7 +438,8 @@ class DecisionEngine:
             if last is not None and t - last < defaults.target_cooldown_s:
                 return []
         now = self._clock.now()
-        evidence, reason = self._evidence(state, rule, oom, clearing)
+        step = self._step_memory(state)
+        evidence, reason = self._evidence(state, rule, oom, clearing, step)
         planned = []
         for action, target in zip(actions, targets, strict=True):
             kind = ActionKind(action.kind)
@@ -399,7 +448,7 @@ class DecisionEngine:
                     COMMAND_NAMESPACE, f"{target.key}|{rule.name}|{kind.value}|{cause_event_id}|{t!r}|{clearing}"
                 )
             )
-            params = self._params(state, action)
+            params = self._params(state, action, step)
             self._remember(command_id, _Issued(state.target.key, rule.name, clearing, controller=False))
             planned.append(
                 PlannedCommand(
@@ -416,7 +465,7 @@ class DecisionEngine:
                     deadline=now + defaults.deadline_s,
                     cause_event_id=cause_event_id,
                     root_cause=state.root_cause,
-                    promise=self._promise(kind, params, rule, target_engine=bool(target.engine)),
+                    promise=self._promise(kind, params, rule, target_engine=bool(target.engine), step=step),
                 )
             )
             self._last_command_t[target.key] = t
@@ -425,7 +474,7 @@ class DecisionEngine:
         return planned
 
     def _evidence(
-        self, state: _TargetState, rule: Rule, oom: OomEvent | None, clearing: bool
+        self, state: _TargetState, rule: Rule, oom: OomEvent | None, clearing: bool, step: StepMemory | None = None
     ) -> tuple[tuple[Evidence, ...], str]:
         fc = state.forecast
         evidence = [Evidence("memory_fraction", round(fc.memory_fraction, 4), "device memory used")]
@@ -462,6 +511,18 @@ class DecisionEngine:
             parts.append(f"fragmentation {fc.fragmentation:.0%} (rule: above {when.fragmentation_above:.0%})")
         if when.memory_fraction_above is not None:
             parts.append(f"memory {fc.memory_fraction:.0%} (rule: above {when.memory_fraction_above:.0%})")
+        if step is not None and (when.step_headroom_below is not None or when.step_headroom_above is not None):
+            fitted = step.fitted(self._step_terms())
+            evidence.append(
+                Evidence("step_headroom_bytes", step.headroom_bytes, "device free + engine cache - reserve")
+            )
+            evidence.append(Evidence("step_need_bytes", step.need_live_bytes, f"a full step at {step.live_budget}"))
+            evidence.append(Evidence("step_fitted_budget", fitted, "tokens per step that fit"))
+            parts.append(
+                f"a step of {step.live_budget} tokens needs {step.need_live_bytes / 2**30:.2f} GiB, "
+                f"{step.headroom_bytes / 2**30:.2f} GiB left (x{step.ratio:.2f}): "
+                f"token budget {step.live_budget} -> {fitted}"
+            )
         rc = state.root_cause
         if rc.kind is not RootCauseKind.NONE:
             evidence.append(Evidence("root_cause_confidence", rc.confidence, rc.kind.value))
@@ -473,9 +534,11 @@ class DecisionEngine:
             reason = f"{rule.name}: " + ("; ".join(parts) if parts else rule.description or "conditions met")
         return tuple(evidence), reason
 
-    def _params(self, state: _TargetState, action: Action) -> dict[str, object]:
+    def _params(self, state: _TargetState, action: Action, step: StepMemory | None = None) -> dict[str, object]:
         if isinstance(action, SetEngineLimits):
             params: dict[str, object] = {}
+            if action.fit_token_budget and step is not None:
+                params["max_num_scheduled_tokens"] = step.fitted(self._step_terms())
             if action.max_num_running_reqs is not None:
                 params["max_num_running_reqs"] = action.max_num_running_reqs
             if action.max_num_running_reqs_factor is not None:
@@ -516,7 +579,14 @@ class DecisionEngine:
             return {"tenant_bytes": tenants, "dry_run": action.dry_run}
         return {}
 
-    def _promise(self, kind: ActionKind, params: Mapping[str, object], rule: Rule, target_engine: bool) -> Promise:
+    def _promise(
+        self,
+        kind: ActionKind,
+        params: Mapping[str, object],
+        rule: Rule,
+        target_engine: bool,
+        step: StepMemory | None = None,
+    ) -> Promise:
         """What an action of a rule promises the validator (docs/control.md, "Promises")."""
         spec = self._policy.spec
         if kind in ADMISSION_KINDS:
@@ -527,13 +597,18 @@ class DecisionEngine:
             )
         if kind is ActionKind.SET_ENGINE_LIMITS:
             cap = params.get("max_num_running_reqs")
+            memory_limit = spec.forecast.limit_fraction if rule.when.time_to_limit_below_s is not None else None
+            budget = params.get("max_num_scheduled_tokens")
+            fitted = any(isinstance(a, SetEngineLimits) and a.fit_token_budget for a in rule.then)
+            if fitted and step is not None and isinstance(budget, int):
+                # Derived from the cut: memory now, plus what a full step at the new budget takes
+                # beyond the engine's cache, plus the reserve.
+                memory_limit = step.device_fraction_after(budget, self._step_terms())
             return Promise(
                 settle_s=spec.promises.engine_limits_settle_s,
                 engine_alive=True,
                 # A memory rule promises memory under the line the forecast calls OOM; judged on GPU memory only.
-                gpu_memory_fraction_below=(
-                    spec.forecast.limit_fraction if rule.when.time_to_limit_below_s is not None else None
-                ),
+                gpu_memory_fraction_below=memory_limit,
                 preemptions_per_s_below=spec.promises.max_preemptions_per_s,
                 running_at_most=int(cap) if isinstance(cap, int) else None,
             )

@@ -128,6 +128,25 @@ class AdmissionSettings(_Strict):
     p0_reserved_kv_fraction: Fraction = 0.1
 
 
+class StepBudgetSettings(_Strict):
+    """How the step-budget conditions and `fit_token_budget` size one engine step
+    (services/decision/domain/step_budget.py): the activation need from the engine's model
+    shape, times the allocator's overhead, against the device's free memory plus what the
+    engine's allocator holds between steps, less the reserve."""
+
+    # A fitted budget is never below this (nor above the engine's start-up budget).
+    min_tokens: int = Field(default=512, ge=1, le=10_000_000)
+    # Device memory kept free beyond a full step's need.
+    reserve_mib: int = Field(default=256, ge=0, le=1_000_000)
+    # Device bytes per allocated activation byte at large steps (caching allocator rounding);
+    # 155/108 KiB per token was measured on the H200 (FACTS.md).
+    allocator_overhead: float = Field(default=1.45, ge=1.0, le=4.0)
+    # A fitted budget's full step needs at most this share of the headroom.
+    fill: float = Field(default=0.8, gt=0.0, le=1.0)
+    # Fitted budgets are rounded down to a multiple of this many tokens.
+    multiple_of: int = Field(default=256, ge=1, le=65_536)
+
+
 class Tiers(_Strict):
     default: TierName = "P1"
     engines: dict[str, TierName] = Field(default_factory=dict)
@@ -147,6 +166,12 @@ class Conditions(_Strict):
     fragmentation_above: Fraction | None = None
     root_cause_in: tuple[str, ...] | None = None
     tier_in: tuple[TierName, ...] | None = None
+    # Headroom over the need of a full step at the engine's live token budget (step_budget.py):
+    # below, when a smaller budget would fit better (a cut is possible); above, when the budget
+    # is below the engine's start-up budget and a larger one fits (never within
+    # controller.no_loosen_after_oom_s of an OOM: raising the budget loosens).
+    step_headroom_below: float | None = Field(default=None, gt=0.0, le=100.0)
+    step_headroom_above: float | None = Field(default=None, gt=0.0, le=100.0)
 
     @field_validator("root_cause_in")
     @classmethod
@@ -172,11 +197,14 @@ class Conditions(_Strict):
                 "kv_time_to_full_below_s",
                 "fragmentation_above",
                 "root_cause_in",
+                "step_headroom_below",
+                "step_headroom_above",
             )
         ):
             raise ValueError(
                 "a rule needs at least one condition (on_oom, memory_fraction_above, "
-                "time_to_limit_below_s, kv_usage_above, kv_time_to_full_below_s, fragmentation_above, root_cause_in)"
+                "time_to_limit_below_s, kv_usage_above, kv_time_to_full_below_s, fragmentation_above, root_cause_in, "
+                "step_headroom_below, step_headroom_above)"
             )
         return self
 
@@ -194,6 +222,8 @@ class SetEngineLimits(_Action):
     max_num_scheduled_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
     max_prefill_chunk_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
     admission_paused: bool | None = None
+    # The token budget whose full step fits the memory left (the policy's step_budget block).
+    fit_token_budget: bool = False
     # Back to the engine's start-up running cap and token budget (what an on_clear undoes a cut with);
     # the prefill chunk cap and admission stay as they are.
     restore_defaults: bool = False
@@ -202,17 +232,22 @@ class SetEngineLimits(_Action):
     def _one_limit(self) -> SetEngineLimits:
         if self.max_num_running_reqs is not None and self.max_num_running_reqs_factor is not None:
             raise ValueError("give max_num_running_reqs or max_num_running_reqs_factor, not both")
+        if self.fit_token_budget and self.max_num_scheduled_tokens is not None:
+            raise ValueError("give max_num_scheduled_tokens or fit_token_budget, not both")
         if self.restore_defaults:
             return self
-        if all(
-            v is None
-            for v in (
-                self.max_num_running_reqs,
-                self.max_num_running_reqs_factor,
-                self.max_num_scheduled_tokens,
-                self.max_prefill_chunk_tokens,
-                self.admission_paused,
+        if (
+            all(
+                v is None
+                for v in (
+                    self.max_num_running_reqs,
+                    self.max_num_running_reqs_factor,
+                    self.max_num_scheduled_tokens,
+                    self.max_prefill_chunk_tokens,
+                    self.admission_paused,
+                )
             )
+            and not self.fit_token_budget
         ):
             raise ValueError("SET_ENGINE_LIMITS needs at least one limit (or restore_defaults: true)")
         return self
@@ -322,6 +357,7 @@ class PolicySpec(_Strict):
     controller: ControllerSettings = Field(default_factory=ControllerSettings)
     promises: Promises = Field(default_factory=Promises)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    step_budget: StepBudgetSettings = Field(default_factory=StepBudgetSettings)
     tiers: Tiers = Field(default_factory=Tiers)
     rules: tuple[Rule, ...] = Field(min_length=1)
 

@@ -75,6 +75,10 @@ class EngineLoad:
     tiers: tuple[TierLoad, ...] = ()
     running_cap: int = 0
     max_num_seqs: int = 0
+    # The live token budget of one step (limits.max_num_scheduled_tokens) and its start-up ceiling
+    # (max_num_batched_tokens); 0 when the source does not know them.
+    token_budget: int = 0
+    max_num_batched_tokens: int = 0
 
     def tier(self, tier: int) -> TierLoad | None:
         return next((t for t in self.tiers if t.tier == tier), None)
@@ -87,6 +91,8 @@ class AllocatorStats:
     inactive_split_bytes: int = 0
     alloc_retries: int = 0
     num_ooms: int = 0
+    # Allocated between steps (weights, KV cache, buffers); 0 when unknown.
+    allocated_floor_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,6 +112,7 @@ class SitsScheduler(Scheduler):
         self._cap_preemptions = 0
         self._p0_preemptions = 0
         self._tier_stats = TierStats()
+        self._allocator = AllocatorReading()
         # Tiers order the queue only under vLLM's priority policy; under FCFS a P0 could not overtake
         # the queue even after a preemption, so the plugin does not preempt for it there.
         self._by_priority = str(getattr(self.scheduler_config, "policy", "fcfs")) == "priority"
@@ -343,11 +344,17 @@ class SitsScheduler(Scheduler):
             "waiting": num_waiting,
             "cap_preemptions": self._cap_preemptions,
             "p0_preemptions": self._p0_preemptions,
-            "kv_cache_usage": float(self.kv_cache_manager.usage),
+            "kv_cache_usage": float(self._kv_usage()),
             "kv_blocks_total": int(block_pool.num_gpu_blocks),
             "kv_blocks_free": int(block_pool.get_num_free_blocks()),
             "tiers": self._tiers_locked(),
+            "allocator": self._allocator.read(),
         }
+
+    def _kv_usage(self) -> float:
+        # 0.32 has get_kv_cache_usage(); 0.26 only the manager's `usage` property.
+        usage = getattr(self, "get_kv_cache_usage", None)
+        return float(usage()) if callable(usage) else float(self.kv_cache_manager.usage)
 
     def _tiers_locked(self) -> dict[str, dict[str, float]]:
         now = time.time()
@@ -389,6 +396,56 @@ class SitsScheduler(Scheduler):
 
 class SitsAsyncScheduler(SitsScheduler, AsyncScheduler):
     """SitsScheduler over vLLM's AsyncScheduler; `SitsScheduler(...)` picks it when async scheduling is on."""
+
+
+class AllocatorReading:
+    """The PyTorch caching allocator of this process, as the decision needs it to size a step.
+
+    With one GPU, vLLM's worker runs inside the EngineCore process (the uniprocess executor), so
+    this is the allocator that holds the weights, the KV cache and every step's activations.
+    Read on the control thread when GetState asks (a few times a second), never in `schedule()`.
+    `allocated_floor_bytes` is the least allocated seen since the engine started serving: the
+    weights, KV cache and buffers that stay between steps; `reserved - floor` is what the
+    allocator holds that the next step can reuse without asking the device. Empty without CUDA
+    (the CPU build).
+    """
+
+    def __init__(self) -> None:
+        self._floor: int | None = None
+        self._cuda: Any = None
+        self._available: bool | None = None
+
+    def read(self) -> dict[str, int]:
+        if self._available is None:
+            self._available = self._probe()
+        if not self._available:
+            return {}
+        try:
+            stats = self._cuda.memory_stats()
+        except Exception:
+            return {}
+        allocated = int(stats.get("allocated_bytes.all.current", 0))
+        self._floor = allocated if self._floor is None else min(self._floor, allocated)
+        return {
+            "allocated_bytes": allocated,
+            "reserved_bytes": int(stats.get("reserved_bytes.all.current", 0)),
+            "allocated_floor_bytes": self._floor,
+            "peak_allocated_bytes": int(stats.get("allocated_bytes.all.peak", 0)),
+            "inactive_split_bytes": int(stats.get("inactive_split_bytes.all.current", 0)),
+            "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+            "num_ooms": int(stats.get("num_ooms", 0)),
+        }
+
+    def _probe(self) -> bool:
+        try:
+            import torch
+
+            if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
+                return False
+        except Exception:
+            return False
+        self._cuda = torch.cuda
+        return True
 
 
 def external_request_id(engine_request_id: str) -> str:
