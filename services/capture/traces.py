@@ -312,9 +312,7 @@ def record_to_oom(
 
 
 def _message_fields(message: Any, names: tuple[str, ...]) -> dict[str, Any]:
-    return {
-        name: getattr(message, name) for name in names if name not in OPTIONAL_FIELDS or getattr(message, name)
-    }
+    return {name: getattr(message, name) for name in names if name not in OPTIONAL_FIELDS or getattr(message, name)}
 
 
 def sample_to_record(sample: events_pb2.MetricSample, t: float) -> Record:
