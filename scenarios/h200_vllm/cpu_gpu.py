@@ -1,0 +1,69 @@
+"""CPU rehearsal only: NVML-shaped samples of a GPU that is not there, so the loop runs end to end.
+
+The rehearsal checks the wiring (engine with the plugin, capture, decision, executor, validator,
+the step-budget rules and their commands), not the physics: nothing can run out of memory on
+the CPU. This stand-in publishes, at `--hz`, a virtual device of `--total-bytes` whose used
+memory is `--engine-bytes` plus what the co-tenant (`cotenant.py --device cpu`) says it holds
+in its state file, tagged SAMPLE_SOURCE_REPLAY so nobody takes it for a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from sits.runtime.bus import EventProducer, ensure_topics
+from sits.runtime.events import Topics, new_meta
+from sits.runtime.settings import Settings
+from sits.v1 import common_pb2, events_pb2
+
+
+def held(state_file: Path) -> int:
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return int(json.loads(state_file.read_text())["held_bytes"])
+    return 0
+
+
+async def publish(args: argparse.Namespace) -> None:
+    settings = Settings(kafka_bootstrap=args.bootstrap, topic_prefix=args.topic_prefix)
+    topics = Topics(args.topic_prefix)
+    await ensure_topics(settings)
+    target = common_pb2.Target(host=args.host, gpu_uuid=args.gpu_uuid, engine=args.engine)
+    started = time.time()
+    sequence = 0
+    async with EventProducer(settings) as producer:
+        while time.time() - started < args.max_s:
+            sequence += 1
+            sample = events_pb2.MetricSample(source_kind=events_pb2.SAMPLE_SOURCE_REPLAY, sequence=sequence)
+            sample.meta.CopyFrom(new_meta("scenario/cpu-gpu", target, time.time()))
+            used = min(args.total_bytes, args.engine_bytes + held(args.state_file))
+            sample.gpu.total_bytes = args.total_bytes
+            sample.gpu.used_bytes = used
+            sample.gpu.free_bytes = args.total_bytes - used
+            await producer.publish(topics.metrics, sample)
+            await asyncio.sleep(1.0 / args.hz)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bootstrap", required=True)
+    p.add_argument("--topic-prefix", default="")
+    p.add_argument("--host", required=True)
+    p.add_argument("--gpu-uuid", required=True)
+    p.add_argument("--engine", required=True)
+    p.add_argument("--total-bytes", type=int, required=True)
+    p.add_argument("--engine-bytes", type=int, required=True)
+    p.add_argument("--state-file", type=Path, required=True)
+    p.add_argument("--hz", type=float, default=10.0)
+    p.add_argument("--max-s", type=float, default=900.0)
+    asyncio.run(publish(p.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
