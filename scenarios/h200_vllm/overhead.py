@@ -95,7 +95,8 @@ async def verify_plugin(engine: Engine, args: argparse.Namespace, vocab: int) ->
         out["set_limits_ms"] = round(1000 * (time.perf_counter() - started), 2)
         out["applied"] = lowered.applied
         out["budget_after"] = lowered.limits.max_num_scheduled_tokens
-        arrivals = tuple(Arrival(0.0, tier, 3000, 16, "verify") for tier in ("p0", "p1", "p2") for _ in range(2))
+        prompt = min(3000, args.max_model_len // 2)
+        arrivals = tuple(Arrival(0.0, tier, prompt, 16, "verify") for tier in ("p0", "p1", "p2") for _ in range(2))
         outcomes = await drive(engine.address, arrivals, time.time(), scenario="verify", vocab=vocab, timeout_s=120)
         out["tiers_completed"] = {
             t: sum(1 for o in outcomes if o.tier == t and o.completed) for t in ("p0", "p1", "p2")
@@ -108,20 +109,28 @@ async def verify_plugin(engine: Engine, args: argparse.Namespace, vocab: int) ->
 
 def measure(variant: str, args: argparse.Namespace, work: Path, logs: Path, broker: TansuBroker) -> dict[str, Any]:
     model = shape(args.shape)
+    cpu = args.device == "cpu"
+    if cpu:
+        from sits.stack.vllm_engine import make_random_llama
+
+        model_dir = make_random_llama()
+    else:
+        model_dir = model.write(work / "models" / model.name)
     engine = Engine(
         EngineConfig(
-            model_dir=model.write(work / "models" / model.name),
+            model_dir=model_dir,
             port=free_port(),
             control_port=free_port(),
             sits=variant == "sits",
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.budget,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            dummy_weights=True,
-            enforce_eager=args.eager,
+            gpu_memory_utilization=None if cpu else args.gpu_memory_utilization,
+            dummy_weights=not cpu,
+            enforce_eager=args.eager or cpu,
             priority=True,
             extra_args=tuple(args.engine_arg),
+            env={"VLLM_CPU_KVCACHE_SPACE": "1"} if cpu else {},
         ),
         logs / f"overhead-{variant}-engine.log",
         work,
@@ -158,7 +167,7 @@ def measure(variant: str, args: argparse.Namespace, work: Path, logs: Path, brok
             services = Services(["capture"], env, logs, f"overhead-{variant}")
             services.start()
             services.wait_serving()
-        vocab = model.vocab_size
+        vocab = 512 if cpu else model.vocab_size
         asyncio.run(_batch(engine.address, argparse.Namespace(**{**vars(args), "requests": 8}), vocab, 99))
 
         async def reps() -> tuple[list[dict[str, float]], dict[str, Any]]:
@@ -196,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--work-dir", default="/tmp/sits-h200-vllm")
-    p.add_argument("--device", default="cuda", choices=["cuda"])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a rehearsal on the CPU build")
     p.add_argument("--shape", default="llama-3-8b")
     p.add_argument("--variants", nargs="+", default=["default", "sits"], choices=["default", "sits"])
     p.add_argument("--requests", type=int, default=128)
@@ -212,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-timeout-s", type=float, default=400.0)
     args = p.parse_args(argv)
     try:
-        gpu_facts()
+        if args.device == "cuda":
+            gpu_facts()
     except Refusal as refusal:
         print(f"overhead: cannot run here: {refusal}", file=sys.stderr)
         return 2
@@ -222,23 +232,33 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     broker = TansuBroker(logs)
     broker.start()
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     try:
         for variant in args.variants:
-            results[variant] = measure(variant, args, work, logs, broker)
+            try:
+                results[variant] = measure(variant, args, work, logs, broker)
+            except Exception as error:
+                log.exception("%s failed", variant)
+                results[variant] = {"variant": variant, "error": f"{type(error).__name__}: {error}"}
             brief = {k: v for k, v in results[variant].items() if k not in ("records", "plugin_state")}
             print(json.dumps(brief), flush=True)
+            write_json(args.out / "overhead.json", _summary(args, results))
     finally:
         broker.stop()
-    summary: dict[str, Any] = {
-        "engine": vllm_version(),
-        "shape": args.shape,
-        "load": vars(args) | {"out": str(args.out)},
-    }
+    summary = _summary(args, results)
+    if "sits" in results:
+        write_json(args.out / "overhead-sits-records.json", results["sits"].get("records", {}))
+    print(json.dumps({k: v for k, v in summary.items() if "pct" in k}), flush=True)
+    return 0
+
+
+def _summary(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    load = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    summary: dict[str, Any] = {"engine": vllm_version(), "shape": args.shape, "load": load}
     for name, r in results.items():
         summary[name] = {k: v for k, v in r.items() if k != "records"}
-    if "default" in results and "sits" in results:
-        base, sits = results["default"], results["sits"]
+    base, sits = results.get("default", {}), results.get("sits", {})
+    if "tokens_per_s_best" in base and "tokens_per_s_best" in sits:
         summary["plugin_decode_overhead_pct"] = round(
             100 * (base["tokens_per_s_best"] - sits["tokens_per_s_best"]) / base["tokens_per_s_best"], 2
         )
@@ -248,11 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["step_time_added_pct"] = round(
             100 * (sits["step_ms_median"] - base["step_ms_median"]) / base["step_ms_median"], 2
         )
-    write_json(args.out / "overhead.json", summary)
-    if "sits" in results:
-        write_json(args.out / "overhead-sits-records.json", results["sits"].get("records", {}))
-    print(json.dumps({k: v for k, v in summary.items() if "pct" in k}), flush=True)
-    return 0
+    return summary
 
 
 if __name__ == "__main__":
