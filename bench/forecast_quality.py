@@ -4,7 +4,11 @@ Synthetic traces (ramp, fast ramp, staircase of steps, sawtooth over a leak;
 and without OOM: noisy plateau, stable sawtooth, a single step) are generated
 in memory from a fixed seed; every recorded trace under traces/h200/*.jsonl.gz
 is replayed too. Each trace runs through the decision engine with the default
-policy; a warning is the first command the engine emits. Lead time = time of
+policy; a warning is the first command the engine emits. The traces of real vLLM
+on the H200 (traces/h200_vllm: the runs of scenarios/h200_vllm in which nothing
+acted, and a healthy engine decoding) are reported apart (`recorded_vllm`), with the
+default policy and with the GPU policy (scenarios/h200_vllm/gpu_policy.yaml: the
+step-budget rules, which need the engine's model shape, named in the trace header). Lead time = time of
 the OOM (the trace's oom record, else the first sample at the device total)
 minus the time of the first warning.
 
@@ -31,7 +35,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from services.decision.domain.admission import EngineProfile  # noqa: E402
 from services.decision.domain.engine import DecisionEngine  # noqa: E402
+from services.decision.domain.kv_model import known_model  # noqa: E402
 from services.decision.domain.policy import parse_policy  # noqa: E402
 from services.decision.domain.types import Target  # noqa: E402
 from services.decision.records import record_to_oom, record_to_sample, target_from_header  # noqa: E402
@@ -39,6 +45,7 @@ from sits.runtime.clock import ManualClock  # noqa: E402
 
 TOTAL = 143771 * 1024 * 1024  # an H200 as NVML reports it
 POLICY_PATH = ROOT / "services" / "decision" / "default_policy.yaml"
+GPU_POLICY_PATH = ROOT / "scenarios" / "h200_vllm" / "gpu_policy.yaml"
 THRESHOLD_BASELINE = 0.90
 # The default policy trusts no trend of a target seen for less than 30 s (forecast.min_history_s).
 WARMUP_S = 30.0
@@ -52,6 +59,8 @@ class SyntheticTrace:
     records: list[dict[str, Any]]
     oom: bool
     target: Target = field(default_factory=lambda: Target("bench", "GPU-synthetic", "", "vllm-0"))
+    # The engine's model shape (a known model name), for the step-budget rules; "" when unknown.
+    model: str = ""
 
 
 def _sample(t: float, frac: float) -> dict[str, Any]:
@@ -208,6 +217,21 @@ def recorded(directory: Path) -> Iterator[SyntheticTrace]:
         yield SyntheticTrace(path.name, "recorded", records, oom, target_from_header(trace.header.target.to_json()))
 
 
+def recorded_vllm(directory: Path) -> Iterator[SyntheticTrace]:
+    """Real vLLM traces in which nothing acted on the engine (SITS watching only, or not there)."""
+    from services.capture.traces import read_trace
+
+    for path in sorted(directory.glob("*.jsonl.gz")):
+        trace = read_trace(path)
+        if trace.header.extra.get("sits_acting"):
+            continue
+        records = [dict(r) for r in trace.records]
+        oom = any(r.get("kind") == "oom" for r in records)
+        target = target_from_header(trace.header.target.to_json())
+        model = str(trace.header.extra.get("decision_model", ""))
+        yield SyntheticTrace(path.name, "vllm", records, oom, target, model)
+
+
 def oom_time(trace: SyntheticTrace) -> float | None:
     for r in trace.records:
         if r.get("kind") == "oom":
@@ -220,18 +244,31 @@ def oom_time(trace: SyntheticTrace) -> float | None:
 
 def first_warning(trace: SyntheticTrace, policy_text: str) -> tuple[float | None, int]:
     clock = ManualClock(T0)
-    engine = DecisionEngine(parse_policy(policy_text), clock)
+    profiles = {trace.target.engine: EngineProfile(known_model(trace.model))} if trace.model else {}
+    engine = DecisionEngine(parse_policy(policy_text), clock, profiles)
     seq = 0
+    budget = 0
     for r in trace.records:
         clock.set(T0 + float(r["t"]))
         if r.get("kind") == "sample":
             seq += 1
-            commands = engine.observe(record_to_sample(r, trace.target, T0, seq, f"{trace.name}-{seq}"))
+            sample = record_to_sample(r, trace.target, T0, seq, f"{trace.name}-{seq}")
+            budget = sample.engine.token_budget if sample.engine is not None and sample.engine.token_budget else budget
+            commands = engine.observe(sample)
         else:
             commands = engine.observe_oom(record_to_oom(r, trace.target, T0, f"{trace.name}-oom-{seq}"))
-        if commands:
+        if any(not loosens(c, budget) for c in commands):
             return float(r["t"]), seq
     return None, seq
+
+
+def loosens(command: Any, live_budget: int) -> bool:
+    """A command that gives the engine more room (an undo, a raised budget) is no warning."""
+    params = command.params
+    if params.get("restore_defaults"):
+        return True
+    budget = params.get("max_num_scheduled_tokens")
+    return isinstance(budget, int) and live_budget > 0 and budget > live_budget and len(params) == 1
 
 
 def threshold_warning(trace: SyntheticTrace) -> float | None:
@@ -317,6 +354,7 @@ def main() -> int:
         help="also score this many other synthetic seeds (1..N), so one lucky seed cannot carry the result",
     )
     parser.add_argument("--traces", type=Path, default=ROOT / "traces" / "h200")
+    parser.add_argument("--vllm-traces", type=Path, default=ROOT / "traces" / "h200_vllm")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "forecast_quality.json")
     parser.add_argument("--show", action="store_true", help="print every trace's row")
     args = parser.parse_args()
@@ -342,6 +380,16 @@ def main() -> int:
         "by_kind": by_kind,
         "samples_replayed": synth_result["samples"] + real_result["samples"],
     }
+    vllm = list(recorded_vllm(args.vllm_traces)) if args.vllm_traces.is_dir() else []
+    if vllm:
+        figures["recorded_vllm"] = {
+            "default_policy": summarise(score(vllm, policy_text)["rows"]),
+            "gpu_policy": summarise(score(vllm, GPU_POLICY_PATH.read_text())["rows"]),
+            "traces": [t.name for t in vllm],
+        }
+        if args.show:
+            for r in score(vllm, GPU_POLICY_PATH.read_text())["rows"]:
+                print("vllm/gpu_policy", json.dumps(r))
     sweep = seed_sweep(range(1, args.sweep_seeds + 1), args.per_kind, policy_text)
     figures["sweep_no_oom_traces"] = sweep["no_oom_traces"]
     figures["sweep_false_alarms"] = sweep["false_alarms"]

@@ -144,6 +144,38 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
         "budget_start": budgets[0] if budgets else None,
         "engine_ready_s": run.get("engine_ready_s"),
         "cotenant_failures": (run.get("cotenant") or {}).get("failures"),
+        "activation": activation(run),
+        "engine_log": run.get("engine_log", {}),
+        "commands_detail": cmds,
+        "actions_detail": acts,
+        "verdicts_detail": judged,
+        "oom_events": [
+            {k: o.get(k) for k in ("requested_bytes", "device_free_bytes", "message")}
+            for o in run.get("records", {}).get("oom", [])
+        ],
+    }
+
+
+def activation(run: dict[str, Any]) -> dict[str, Any]:
+    """The largest step's activation memory as the engine's allocator measured it, beside vLLM's own profile.
+
+    Measured: the allocator's peak minus its floor (what stays between steps), read by the plugin.
+    The step: the largest token budget in force once the long prompts were queued (from the plan's
+    trigger to the end of the load, while requests waited), which the queued prompts filled.
+    """
+    states = run.get("plugin_states", [])
+    plan = run.get("plan", {})
+    trigger, end = float(plan.get("trigger_s", 0.0)), float(plan.get("load_s", 0.0))
+    peaks = [s["peak"] for s in states if s.get("peak")]
+    floors = [s["floor"] for s in states if s.get("floor")]
+    loaded = [
+        s["budget"] for s in states if s.get("budget") and trigger <= s["t"] <= end and (s.get("waiting") or 0) > 0
+    ]
+    return {
+        "profiled_peak_activation_gib": run.get("engine_log", {}).get("peak_activation_gib"),
+        "profiled_at_tokens": (run.get("engine_args") or {}).get("max_num_batched_tokens"),
+        "measured_peak_minus_floor_bytes": (max(peaks) - min(floors)) if peaks and floors else None,
+        "largest_step_budget": max(loaded) if loaded else None,
     }
 
 
@@ -274,6 +306,7 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
         states = run.get("plugin_states", [])
         axes[1][col].step([s["t"] for s in states], [s.get("budget") or 0 for s in states], where="post")
         axes[1][col].set_ylabel("step token budget")
+        axes[1][col].set_ylim(bottom=0)
         outcomes = sorted((o["t_done"], o["completed"]) for o in run.get("outcomes", []) if o.get("t_done") is not None)
         done_t, done_n, failed_n = [], [], []
         n_ok = n_bad = 0
@@ -342,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     runs = []
-    for path in sorted(args.raw.glob("*-with*.json")) + sorted(args.raw.glob("*-without*.json")):
+    for path in sorted(args.raw.glob("*.json")):
         data = json.loads(path.read_text())
         if isinstance(data, dict) and "scenario" in data and "mode" in data:
             runs.append(data)
