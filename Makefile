@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # pytest exits 5 when it collected nothing: for CI that is a failure, and it says so.
 NO_TESTS_IS_FAILURE = { rc=$$?; [ $$rc -ne 5 ] || echo "pytest collected no tests: failing" >&2; exit $$rc; }
 
-.PHONY: setup stubs demo test test-fast lint typecheck bench bench-gpu clean redis promtool
+.PHONY: setup stubs demo demo-gpu test test-fast lint typecheck bench bench-gpu clean redis promtool
 
 $(STAMP): requirements.lock pyproject.toml
 	@echo "==> creating the virtualenv and installing pinned packages (first run: a few minutes)"
@@ -39,6 +39,17 @@ promtool:
 
 demo: setup redis
 	@$(VENV)/bin/sits demo
+
+# On one NVIDIA GPU: real vLLM dies of a GPU out-of-memory without SITS and lives with it
+# (scenarios/h200_vllm; docs/h200_oom_prevention.md). GPU_PYTHON is a Python with vLLM's CUDA build
+# and this package installed (`GPU_PYTHON -m pip install -e .`); GPU_ARGS go to the runner
+# (e.g. GPU_ARGS="--shape qwen2.5-14b --scenarios long_burst"). Writes reports/demo-gpu-<time>/.
+GPU_PYTHON ?= python3
+GPU_ARGS ?=
+demo-gpu: stubs
+	@out=reports/demo-gpu-$$(date +%Y%m%d-%H%M%S); \
+	$(GPU_PYTHON) -m scenarios.h200_vllm.run --out $$out $(GPU_ARGS) && \
+	$(GPU_PYTHON) -m scenarios.h200_vllm.report $$out $$out/report && echo "report: $$out/report"
 
 lint: setup
 	@echo "==> ruff"

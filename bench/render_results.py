@@ -15,6 +15,7 @@ UPPER_BOUND_HINTS = (
     "slowdown",
     "false_alarms",
     "ooms_with",
+    "deaths_with",
     "lost",
     "duplicates",
     "ratio_with_sits",

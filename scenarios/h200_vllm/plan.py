@@ -76,9 +76,22 @@ def leave_bytes(shape: ModelShape, budget: int, max_num_seqs: int, floor: int = 
     return max(floor, int(0.55 * step_need_bytes(shape, budget, max_num_seqs)))
 
 
+def choose_utilization(total: int, weights: int) -> float:
+    """The engine's gpu_memory_utilization on this GPU: 0.45 on a large one (as measured on the H200),
+    else just enough for the weights plus 12 GiB (KV cache, activations, CUDA context)."""
+    if total >= 100 * GIB:
+        return 0.45
+    return math.ceil(100 * (weights + 12 * GIB) / total) / 100
+
+
 def check_device(total: int, free: int, utilization: float, weights: int) -> str | None:
     """Why this GPU cannot host the scenario, or None. Leaves other processes' memory alone: it only reads."""
     engine = int(total * utilization)
+    if utilization > 0.9:
+        return (
+            f"a GPU of {total / GIB:.0f} GiB is too small for this shape ({weights / GIB:.1f} GiB of weights, "
+            "the engine and a co-tenant beside it): pick a smaller --shape or a larger GPU"
+        )
     if free < engine + 4 * GIB:
         return (
             f"the GPU has {free / GIB:.1f} GiB free of {total / GIB:.1f} GiB; the engine takes "

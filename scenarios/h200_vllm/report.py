@@ -125,6 +125,7 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
     judged = verdicts(run)
     budgets = [s["budget"] for s in run.get("plugin_states", []) if s.get("budget")]
     return {
+        "shape": run.get("shape"),
         "scenario": run.get("scenario"),
         "mode": run.get("mode"),
         "error": run.get("error"),

@@ -95,6 +95,8 @@ def gpu_facts() -> dict[str, Any]:
 
 
 def preflight(args: argparse.Namespace, model: Shape | None) -> dict[str, Any]:
+    if not args.redis_url and not (shutil.which(args.redis_server) or Path(args.redis_server).is_file()):
+        raise Refusal(f"no {args.redis_server!r} here: install Redis (redis-server) or pass --redis-url")
     if args.device == "cpu":
         return {"uuid": CPU_GPU_UUID, "name": "CPU rehearsal (virtual GPU)", "total": CPU_TOTAL, "free": CPU_TOTAL}
     import importlib.util
@@ -106,6 +108,8 @@ def preflight(args: argparse.Namespace, model: Shape | None) -> dict[str, Any]:
     from services.decision.domain.kv_model import shape_from_hf_config
 
     weights = shape_from_hf_config(model.config).weight_bytes_per_rank(2)
+    if args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = plans.choose_utilization(facts["total"], weights)
     reason = plans.check_device(facts["total"], facts["free"], args.gpu_memory_utilization, weights)
     if reason:
         raise Refusal(reason)
@@ -489,7 +493,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=32768, help="the engine's max_num_batched_tokens (its step budget)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=16384)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.45)
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="default: 0.45 on a GPU of 100 GiB or more, else sized",
+    )
     p.add_argument("--long-prompt-tokens", type=int, default=0, help="long prompts' length (0: from the budget)")
     p.add_argument("--policy-file", default=str(POLICY))
     p.add_argument("--history-s", type=float, default=8.0, help="engine and memory history before t0")

@@ -2,9 +2,11 @@
 
 Polls the plugin's engine-control endpoint (`GetState`, sits.runtime.engine_control)
 every `interval_s`: per-tier queueing (waiting, oldest waiting age, queue wait
-p50/p90, preemptions, KV blocks held), the live limits, and the KV pool's
-exact block counts. This is what the decision's tier controller steers by and
-what admission reads free KV from; vLLM's own GetLoads has neither tiers nor
+p50/p90, preemptions, KV blocks held), the live limits and the token ceiling,
+the KV pool's exact block counts, and the engine's caching allocator (reserved,
+allocated, the floor held between steps) when it runs on a GPU. This is what
+the decision's tier controller steers by, what admission reads free KV from,
+and what the step budget is sized against; vLLM's own GetLoads has neither tiers nor
 the free-block count. A failed poll turns the source unhealthy and retries
 with backoff.
 """

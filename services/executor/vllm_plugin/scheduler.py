@@ -49,6 +49,11 @@ Live limits, applied at the start of the next `schedule()` (one engine step):
 Changes are made under a lock that `schedule()` holds while it runs, so the
 control thread never mutates the scheduler mid-step.
 
+GetState also carries the engine's PyTorch caching allocator (reserved, allocated,
+the least allocated seen: what stays between steps; `AllocatorReading`), read on
+the control thread, so the decision can size a step's activations against what the
+engine already holds (services/decision/domain/step_budget.py).
+
 vLLM 0.26 (the H200 build) and 0.32 (the CPU build in tests) differ in what
 this touches: 0.32 has `max_num_active_reqs`, `get_kv_cache_usage()`,
 `kv_holding_waiting` and `_request_blocks_can_be_freed`; 0.26 has
