@@ -125,6 +125,7 @@ def services_env(
     work: Path,
     nvml: bool,
 ) -> dict[str, str]:
+    keys = command_keys(work / "command-keys")
     ports = {name: free_port() for name in ("capture", "decision", "executor", "validator")}
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
@@ -138,6 +139,9 @@ def services_env(
             "SITS_LOG_LEVEL": "INFO",
             "SITS_METRICS_PORT": "0",
             "SITS_AUTH_TOKEN_FILE": str(token_file),
+            # Commands are signed as in `sits up`: decision and validator sign, the executor verifies.
+            "SITS_COMMAND_SIGNING_KEY_FILE": str(keys),
+            "SITS_EXECUTOR_VERIFY_KEYS_FILE": str(keys),
             **{f"SITS_{name.upper()}_ADDR": f"127.0.0.1:{port}" for name, port in ports.items()},
             # capture: NVML on the engine's GPU at 10 Hz, the plugin's state 4 times a second
             "SITS_ENGINE_NAME": engine_name,
@@ -161,6 +165,16 @@ def services_env(
         }
     )
     return env
+
+
+def command_keys(path: Path) -> Path:
+    """A command-signing key file of the run's own (written once)."""
+    from sits.runtime.signing import new_key, write_key_file
+
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_key_file(path, [new_key("scenario-1")])
+    return path
 
 
 def new_token(path: Path) -> Path:
