@@ -54,6 +54,7 @@ ALLOCATOR_FIELDS = (
     "alloc_retries",
     "num_ooms",
     "allocated_floor_bytes",
+    "device_free_bytes",
 )
 ENGINE_FIELDS = (
     "kv_cache_usage",
@@ -71,7 +72,7 @@ ENGINE_FIELDS = (
 )
 # Fields added after the first traces were recorded: written only when set, so older records read
 # and write back unchanged.
-OPTIONAL_FIELDS = frozenset({"allocated_floor_bytes", "max_num_seqs", "max_num_batched_tokens"})
+OPTIONAL_FIELDS = frozenset({"allocated_floor_bytes", "device_free_bytes", "max_num_seqs", "max_num_batched_tokens"})
 LIMIT_FIELDS = ("max_num_running_reqs", "max_num_scheduled_tokens", "max_prefill_chunk_tokens", "admission_paused")
 OOM_FIELDS = ("requested_bytes", "device_free_bytes", "device_total_bytes")
 

@@ -61,6 +61,7 @@ def _allocator_from_pb(a: events_pb2.AllocatorStats) -> AllocatorStats:
         a.alloc_retries,
         a.num_ooms,
         a.allocated_floor_bytes,
+        a.device_free_bytes,
     )
 
 
@@ -72,6 +73,7 @@ def _allocator_to_pb(a: AllocatorStats) -> events_pb2.AllocatorStats:
         alloc_retries=a.alloc_retries,
         num_ooms=a.num_ooms,
         allocated_floor_bytes=a.allocated_floor_bytes,
+        device_free_bytes=a.device_free_bytes,
     )
 
 

@@ -35,6 +35,7 @@ def _allocator(raw: Mapping[str, Any] | None) -> AllocatorStats | None:
         _int(raw, "alloc_retries"),
         _int(raw, "num_ooms"),
         _int(raw, "allocated_floor_bytes"),
+        _int(raw, "device_free_bytes"),
     )
 
 

@@ -67,6 +67,21 @@ def test_the_engines_cache_counts_as_headroom_and_the_fit_is_rounded_within_boun
     assert roomy is not None and roomy.fitted(TERMS) == CEILING
 
 
+def test_free_memory_and_the_engines_cache_come_from_one_snapshot_when_the_plugin_reads_both() -> None:
+    # NVML (sampled a moment earlier) still says 3 GiB free; in the plugin's snapshot the engine has since
+    # grown its cache by 2 GiB, so 1 GiB is free and 2 GiB more is reusable: the same 3 GiB of headroom.
+    # Mixing the two readings counts the growth twice here (5 GiB); read in the other order it loses it
+    # (1 GiB) and cuts a budget that fits: the second cut seen on the H200.
+    grown = AllocatorStats(
+        allocated_bytes=60 * GIB, reserved_bytes=62 * GIB, allocated_floor_bytes=60 * GIB, device_free_bytes=GIB
+    )
+    step = step_memory(_gpu(3 * GIB), _engine(), grown, PROFILE, TERMS)
+    assert step is not None and step.headroom_bytes == 3 * GIB - 256 * MIB
+    without_snapshot = AllocatorStats(allocated_bytes=60 * GIB, reserved_bytes=62 * GIB, allocated_floor_bytes=60 * GIB)
+    mixed = step_memory(_gpu(3 * GIB), _engine(), without_snapshot, PROFILE, TERMS)
+    assert mixed is not None and mixed.headroom_bytes == 5 * GIB - 256 * MIB
+
+
 def test_unknown_figures_give_no_step_memory() -> None:
     assert step_memory(None, _engine(), None, PROFILE, TERMS) is None
     assert step_memory(_gpu(GIB), None, None, PROFILE, TERMS) is None

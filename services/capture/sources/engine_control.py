@@ -76,6 +76,7 @@ def state_to_sample(state: dict[str, Any], target: common_pb2.Target) -> events_
                 alloc_retries=int(allocator.get("alloc_retries", 0)),
                 num_ooms=int(allocator.get("num_ooms", 0)),
                 allocated_floor_bytes=int(allocator.get("allocated_floor_bytes", 0)),
+                device_free_bytes=int(allocator.get("device_free_bytes", 0)),
             )
         )
     return sample

@@ -103,6 +103,11 @@ def step_memory(
     reusable = 0
     if allocator is not None and allocator.allocated_floor_bytes > 0:
         reusable = max(0, allocator.reserved_bytes - allocator.allocated_floor_bytes)
+        if allocator.device_free_bytes > 0:
+            # Free and reusable from one snapshot (the plugin reads both at once): NVML's free memory,
+            # sampled at another moment, would count the engine's own growth between the two as lost
+            # headroom, and cut a budget that fits.
+            free = allocator.device_free_bytes
     shape = profile.shape
     # Logits for every sequence a step may carry, at most one per token of the budget.
     batch = max(1, min(engine.max_num_seqs or 1, ceiling))

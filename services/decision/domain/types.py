@@ -93,6 +93,8 @@ class AllocatorStats:
     num_ooms: int = 0
     # Allocated between steps (weights, KV cache, buffers); 0 when unknown.
     allocated_floor_bytes: int = 0
+    # The device's free memory read in the same moment (the plugin); 0 when unknown.
+    device_free_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

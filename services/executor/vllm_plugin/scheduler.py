@@ -427,6 +427,7 @@ class AllocatorReading:
             return {}
         try:
             stats = self._cuda.memory_stats()
+            free, _total = self._cuda.mem_get_info()
         except Exception:
             return {}
         allocated = int(stats.get("allocated_bytes.all.current", 0))
@@ -439,6 +440,8 @@ class AllocatorReading:
             "inactive_split_bytes": int(stats.get("inactive_split_bytes.all.current", 0)),
             "alloc_retries": int(stats.get("num_alloc_retries", 0)),
             "num_ooms": int(stats.get("num_ooms", 0)),
+            # The device's free memory at the same moment, so that free + reusable is one snapshot.
+            "device_free_bytes": int(free),
         }
 
     def _probe(self) -> bool:
