@@ -16,6 +16,11 @@ run. Everything started is stopped, whatever happens.
 `--replay FILE` runs the loop with memory from a recorded H200 trace instead of
 client load: capture replays it as the local engine, and the actions land on
 the live engine and Envoy.
+
+`--gpu` runs the GPU demo instead (scenarios/h200_vllm, also `make demo-gpu`): on
+a machine with one NVIDIA GPU and vLLM installed, real vLLM dies of a CUDA OOM
+without SITS and lives with it, and a report with a plot per scenario is written.
+It refuses, saying why, where there is no GPU, no vLLM or too little free memory.
 """
 
 from __future__ import annotations
@@ -84,10 +89,20 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-record", action="store_true", help="do not write bench/results/demo_run.json for this run"
     )
+    parser.add_argument(
+        "--gpu",
+        nargs=argparse.REMAINDER,
+        default=None,
+        metavar="ARGS",
+        help="run the GPU demo (real vLLM on this machine's GPU) instead; the rest of the line goes to it "
+        "(see `python -m scenarios.h200_vllm.run --help`)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    if args.gpu is not None:
+        return run_gpu(args.out or Path("reports") / f"demo-gpu-{stamp}", args.gpu)
     config = DemoConfig(
         out_dir=(args.out or Path("reports") / f"demo-{stamp}").resolve(),
         load_s=args.load_seconds,
@@ -348,6 +363,20 @@ def _log_to_file(path: Path) -> None:
         root.removeHandler(existing)
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+
+
+def run_gpu(out: Path, argv: list[str]) -> int:
+    """The GPU demo: without and with SITS on this machine's GPU, then its report."""
+    from scenarios.h200_vllm import report
+    from scenarios.h200_vllm import run as gpu_run
+
+    code = gpu_run.main(["--out", str(out), *argv])
+    if code != 0:
+        return code
+    code = report.main([str(out), str(out / "report")])
+    if code == 0:
+        Console().print(f"report: [bold]{out / 'report'}[/]")
+    return code
 
 
 def _objective(policy_file: Path) -> float:
