@@ -94,28 +94,48 @@ async def collect(source: VllmGrpcSource | VllmMetricsSource, count: int, timeou
 
 async def test_grpc_source_reads_loads_under_traffic(vllm_engine: VllmServer) -> None:
     source = VllmGrpcSource(vllm_engine.address, TARGET, interval_s=0.05, timeout_s=5.0, kv_events=True)
-    async with __import__("grpc").aio.insecure_channel(vllm_engine.address) as channel:
-        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-        requests = [
-            stub.Generate(
-                vllm_engine_pb2.GenerateRequest(
-                    request_id=f"capture-{i}",
-                    tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[(i * 13 + j) % 500 + 1 for j in range(32)]),
-                    sampling_params=vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True),
-                    stream=True,
-                ),
-                timeout=120,
-            )
-            for i in range(8)
-        ]
+    samples: list[object] = []
+    first_sample = asyncio.Event()
 
-        async def drain(call: object) -> None:
-            async for _ in call:  # type: ignore[attr-defined]
-                pass
+    async def follow() -> None:
+        # KV events only flow while blocks are stored, so the traffic starts once the source
+        # is reading, and the source reads until it has seen a batch (bounded by the timeout).
+        async for event in source.events():
+            samples.append(event)
+            first_sample.set()
+            if len(samples) >= 40 and source.kv_batches > 0:
+                return
 
-        traffic = asyncio.gather(*(drain(call) for call in requests))
-        samples = await collect(source, 40, timeout_s=30)
-        await asyncio.wait_for(traffic, 120)
+    reader = asyncio.create_task(follow())
+    try:
+        await asyncio.wait_for(first_sample.wait(), 60)
+        await asyncio.sleep(0.5)  # let SubscribeKvEvents open before the first prefill
+        async with __import__("grpc").aio.insecure_channel(vllm_engine.address) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            requests = [
+                stub.Generate(
+                    vllm_engine_pb2.GenerateRequest(
+                        request_id=f"capture-{i}",
+                        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[(i * 13 + j) % 500 + 1 for j in range(32)]),
+                        sampling_params=vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True),
+                        stream=True,
+                    ),
+                    timeout=120,
+                )
+                for i in range(8)
+            ]
+
+            async def drain(call: object) -> None:
+                async for _ in call:  # type: ignore[attr-defined]
+                    pass
+
+            await asyncio.wait_for(asyncio.gather(*(drain(call) for call in requests)), 120)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(reader), 30)
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
     assert len(samples) >= 10
     assert all(isinstance(s, events_pb2.MetricSample) and s.HasField("engine") for s in samples)
     assert all(s.meta.target.engine == "vllm-0" for s in samples)  # type: ignore[attr-defined]

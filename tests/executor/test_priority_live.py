@@ -60,7 +60,7 @@ async def test_a_p0_request_preempts_the_newest_lowest_tier_request_when_the_run
         assert len(p0.tokens) == 4
         after = await engine_state(engine.control_address)
         # vLLM alone would keep it waiting until a P2 stream finished its 300 tokens.
-        assert after["p0_preemptions"] > start["p0_preemptions"]
+        assert after["p0_preemptions"] > start["p0_preemptions"], f"no preemption for P0; state after: {after}"
         assert after["tiers"]["2"]["preemptions"] > full["tiers"]["2"]["preemptions"]
         assert after["tiers"]["0"]["scheduled"] == start["tiers"]["0"]["scheduled"] + 1
         assert took < 60

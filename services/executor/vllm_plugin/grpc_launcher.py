@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import logging
+import runpy
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -88,10 +90,11 @@ def install_interceptor() -> None:
     grpc.aio.server = server
 
 
-def vllm_server_module() -> Any:
+def vllm_server_module_name() -> str:
     for name in _SERVER_MODULES:
         try:
-            return importlib.import_module(name)
+            if importlib.util.find_spec(name) is not None:
+                return name
         except ModuleNotFoundError as error:
             if error.name is not None and not name.startswith(error.name):
                 raise
@@ -100,7 +103,10 @@ def vllm_server_module() -> Any:
 
 def main() -> Any:
     install_interceptor()
-    return vllm_server_module().main()
+    # Run vLLM's launcher as `python -m` would, as `__main__`: imported under its own name instead,
+    # smg's servicer switch binds it differently and SubscribeKvEvents relays no batches.
+    runpy.run_module(vllm_server_module_name(), run_name="__main__", alter_sys=True)
+    return 0
 
 
 if __name__ == "__main__":
