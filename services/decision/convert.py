@@ -15,12 +15,12 @@ from services.decision.domain.types import (
     PlannedCommand,
     Priority,
     ProcessMemory,
-    Promise,
     RootCause,
     Sample,
     Target,
     TierLoad,
 )
+from sits.runtime.promise import promise_to_pb
 from sits.v1 import common_pb2, decision_pb2, events_pb2
 
 SOURCE = "decision"
@@ -313,23 +313,4 @@ def command_to_pb(command: PlannedCommand, source: str = SOURCE) -> events_pb2.H
                 budget.limits.add(priority=common_pb2.Priority.ValueType(int(tier) + 1), max_requests=int(max_requests))
         message.tier_budget.CopyFrom(budget)
     message.promise.CopyFrom(promise_to_pb(command.promise))
-    return message
-
-
-def promise_to_pb(promise: Promise) -> events_pb2.Promise:
-    message = events_pb2.Promise(
-        settle_seconds=promise.settle_s,
-        no_p0_refused=promise.no_p0_refused,
-        engine_alive=promise.engine_alive,
-        no_oom=promise.no_oom,
-        effect=promise.effect,
-    )
-    if promise.p0_queue_wait_p90_s is not None:
-        message.p0_queue_wait_p90_s = promise.p0_queue_wait_p90_s
-    if promise.gpu_memory_fraction_below is not None:
-        message.gpu_memory_fraction_below = promise.gpu_memory_fraction_below
-    if promise.preemptions_per_s_below is not None:
-        message.preemptions_per_s_below = promise.preemptions_per_s_below
-    if promise.running_at_most is not None:
-        message.running_at_most = promise.running_at_most
     return message

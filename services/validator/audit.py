@@ -13,7 +13,8 @@ from dataclasses import asdict
 
 import redis.asyncio as aioredis
 
-from services.validator.domain import PendingAction, PromiseTerms
+from services.validator.domain import PendingAction
+from sits.runtime.promise import Promise
 from sits.v1 import events_pb2
 
 
@@ -93,6 +94,6 @@ def _pending(data: dict[str, object]) -> PendingAction:
     fields = {k: v for k, v in data.items() if k in known}
     promise = fields.get("promise")
     if isinstance(promise, dict):
-        terms = set(PromiseTerms.__dataclass_fields__)
-        fields["promise"] = PromiseTerms(**{k: v for k, v in promise.items() if k in terms})
+        terms = set(Promise.__dataclass_fields__)
+        fields["promise"] = Promise(**{k: v for k, v in promise.items() if k in terms})
     return PendingAction(**fields)  # type: ignore[arg-type]

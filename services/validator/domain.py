@@ -31,6 +31,8 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from sits.runtime.promise import Promise
+
 DEFAULT_SETTLE_S: dict[str, float] = {
     "SET_ENGINE_LIMITS": 5.0,
     "SHED_PRIORITY": 5.0,
@@ -78,21 +80,6 @@ class Judgement:
 
 
 @dataclass(frozen=True)
-class PromiseTerms:
-    """sits.v1.Promise as plain data (stored with pending watches)."""
-
-    settle_s: float = 0.0
-    p0_queue_wait_p90_s: float | None = None
-    no_p0_refused: bool = False
-    engine_alive: bool = True
-    no_oom: bool = True
-    gpu_memory_fraction_below: float | None = None
-    preemptions_per_s_below: float | None = None
-    running_at_most: int | None = None
-    effect: str = ""
-
-
-@dataclass(frozen=True)
 class PendingAction:
     """An applied action waiting for its settle window to end."""
 
@@ -102,7 +89,7 @@ class PendingAction:
     kind: str
     applied_at: float
     settle_until: float
-    promise: PromiseTerms = field(default_factory=PromiseTerms)
+    promise: Promise = field(default_factory=Promise)
     direction: str = Direction.NONE.value
     # What the executor reported doing (an effect, for actions that cannot be undone).
     detail: str = ""
@@ -139,7 +126,7 @@ class Probed:
     p0_refused: float | None = None
 
 
-def settle_seconds(kind: str, promise: PromiseTerms | None = None, overrides: dict[str, float] | None = None) -> float:
+def settle_seconds(kind: str, promise: Promise | None = None, overrides: dict[str, float] | None = None) -> float:
     if promise is not None and promise.settle_s > 0:
         return promise.settle_s
     table = {**DEFAULT_SETTLE_S, **(overrides or {})}

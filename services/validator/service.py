@@ -27,7 +27,6 @@ from services.validator.domain import (
     Outcome,
     PendingAction,
     Probed,
-    PromiseTerms,
     Validator,
     settle_seconds,
 )
@@ -35,6 +34,7 @@ from sits.runtime.bus import EventProducer, ReceivedEvent
 from sits.runtime.clock import Clock
 from sits.runtime.events import Topics, header_value, new_meta, seconds
 from sits.runtime.fanout import Fanout
+from sits.runtime.promise import promise_from_pb
 from sits.runtime.tracing import current_trace_id, extract_headers
 from sits.v1 import common_pb2, events_pb2
 
@@ -115,7 +115,7 @@ class ValidatorService:
         if await self._audit.verdict_for_action(result.action_id) is not None:
             return  # judged before a restart or a redelivery: one verdict per action
         applied_at = seconds(result.applied_at) if result.HasField("applied_at") else seconds(result.meta.produced_at)
-        promise = promise_terms(result.promise)
+        promise = promise_from_pb(result.promise)
         pending = PendingAction(
             action_id=result.action_id,
             command_id=result.command_id,
@@ -203,24 +203,6 @@ class ValidatorService:
                 log.exception("judging failed; retrying next tick")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), tick_s)
-
-
-def promise_terms(promise: events_pb2.Promise) -> PromiseTerms:
-    return PromiseTerms(
-        settle_s=promise.settle_seconds,
-        p0_queue_wait_p90_s=promise.p0_queue_wait_p90_s if promise.HasField("p0_queue_wait_p90_s") else None,
-        no_p0_refused=promise.no_p0_refused,
-        engine_alive=promise.engine_alive,
-        no_oom=promise.no_oom,
-        gpu_memory_fraction_below=(
-            promise.gpu_memory_fraction_below if promise.HasField("gpu_memory_fraction_below") else None
-        ),
-        preemptions_per_s_below=promise.preemptions_per_s_below
-        if promise.HasField("preemptions_per_s_below")
-        else None,
-        running_at_most=promise.running_at_most if promise.HasField("running_at_most") else None,
-        effect=promise.effect,
-    )
 
 
 def engine_observation(engine: events_pb2.EngineLoad, at: float) -> EngineObservation:

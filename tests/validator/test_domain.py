@@ -7,19 +7,19 @@ from services.validator.domain import (
     Outcome,
     PendingAction,
     Probed,
-    PromiseTerms,
+    Promise,
     Validator,
     settle_seconds,
 )
 
 KEY = "h/g//e"
-P0_OBJECTIVE = PromiseTerms(p0_queue_wait_p90_s=0.1, no_p0_refused=True)
+P0_OBJECTIVE = Promise(p0_queue_wait_p90_s=0.1, no_p0_refused=True)
 
 
 def pending(
     kind: str = "SET_TIER_BUDGET",
     direction: str = "TIGHTEN",
-    promise: PromiseTerms = P0_OBJECTIVE,
+    promise: Promise = P0_OBJECTIVE,
     applied_at: float = 100.0,
     settle: float = 6.0,
     refused_at_start: float | None = None,
@@ -83,7 +83,7 @@ def test_an_increase_that_hurts_p0_is_rolled_back() -> None:
 def test_after_an_oom_a_cut_is_never_rolled_back() -> None:
     # The H200 replay: the decision cut the running cap 16 -> 12, and a CUDA OOM came inside the window.
     v = Validator()
-    p = pending(kind="SET_ENGINE_LIMITS", promise=PromiseTerms(running_at_most=12, gpu_memory_fraction_below=0.96))
+    p = pending(kind="SET_ENGINE_LIMITS", promise=Promise(running_at_most=12, gpu_memory_fraction_below=0.96))
     v.observe_oom(KEY, 103.0)
     v.observe_oom(KEY, 99.0)  # before the action: not its fault
     for i in range(7):
@@ -98,7 +98,7 @@ def test_after_an_oom_a_cut_is_never_rolled_back() -> None:
 
 def test_gpu_memory_is_judged_on_gpu_samples_only() -> None:
     v = Validator()
-    p = pending(kind="SET_ENGINE_LIMITS", promise=PromiseTerms(gpu_memory_fraction_below=0.9))
+    p = pending(kind="SET_ENGINE_LIMITS", promise=Promise(gpu_memory_fraction_below=0.9))
     for i in range(7):
         engine(v, 100.0 + i, 0.0)
     # No NVML sample (a CPU engine, whose KV cache is full by design): the watermark is not measured.
@@ -125,7 +125,7 @@ def test_p0_refusals_are_counted_over_the_window() -> None:
 
 def test_what_cannot_be_undone_is_judged_by_its_effect_and_never_rolled_back() -> None:
     v = Validator()
-    p = pending(kind="ABORT_LOW_PRIORITY", direction="LOOSEN", promise=PromiseTerms(effect="streams aborted"))
+    p = pending(kind="ABORT_LOW_PRIORITY", direction="LOOSEN", promise=Promise(effect="streams aborted"))
     for i in range(7):
         engine(v, 100.0 + i, 0.0)
     good = v.judge(p, Probed(engine_healthy=True))
@@ -169,7 +169,7 @@ def test_absurd_memory_fractions_are_ignored() -> None:
 
 
 def test_settle_window_follows_the_promise_then_the_kind() -> None:
-    assert settle_seconds("SET_TIER_BUDGET", PromiseTerms(settle_s=7.5)) == 7.5
+    assert settle_seconds("SET_TIER_BUDGET", Promise(settle_s=7.5)) == 7.5
     assert settle_seconds("MIG_REBALANCE") == 30.0
     assert settle_seconds("SHED_PRIORITY", None, {"SHED_PRIORITY": 1.5}) == 1.5
     assert settle_seconds("SOMETHING_NEW") == 5.0

@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from sits.runtime.promise import Promise
+
 
 @dataclass(frozen=True, slots=True)
 class Target:
@@ -189,21 +191,6 @@ class Forecast:
     fragmentation: float = 0.0
     # Seconds until the engine's KV pool is full at the current trend of KV usage.
     kv_time_to_full_s: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Promise:
-    """What an action promises the validator (sits.v1.Promise); unset parts are not checked."""
-
-    settle_s: float = 0.0
-    p0_queue_wait_p90_s: float | None = None
-    no_p0_refused: bool = False
-    engine_alive: bool = True
-    no_oom: bool = True
-    gpu_memory_fraction_below: float | None = None
-    preemptions_per_s_below: float | None = None
-    running_at_most: int | None = None
-    effect: str = ""
 
 
 @dataclass(frozen=True, slots=True)
