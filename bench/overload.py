@@ -94,9 +94,9 @@ async def client(stub: Any, priority: str, stop_at: float, out: dict[str, list[f
                 if reply.HasField("complete") and reply.complete.finish_reason == "abort":
                     aborted = True
         except grpc.aio.AioRpcError as err:
-            if err.code() not in REFUSED:
-                raise
-            out[f"{priority}_refused"].append(1.0)
+            # A refusal is SITS (or Envoy) saying no; anything else is a stream that failed, and
+            # counts against the served ratio rather than ending the run.
+            out[f"{priority}_refused" if err.code() in REFUSED else f"{priority}_failed"].append(1.0)
             await asyncio.sleep(backoff * jitter.uniform(0.8, 1.2))
             backoff = min(backoff * 2, MAX_BACKOFF_S)
             continue
@@ -112,7 +112,7 @@ async def clients_at(address: str, clients: dict[str, int], seconds: float, firs
     stop_at = time.monotonic() + seconds
     out: dict[str, list[float]] = {}
     for priority in clients:
-        for suffix in ("", "_refused", "_aborted"):
+        for suffix in ("", "_refused", "_aborted", "_failed"):
             out[f"{priority}{suffix}"] = []
     async with grpc.aio.insecure_channel(address) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
@@ -187,6 +187,7 @@ def summary(samples: dict[str, list[float]]) -> dict[str, Any]:
         "served": {p: len(samples[p]) for p in tiers},
         "refused": {p: len(samples.get(f"{p}_refused", [])) for p in tiers},
         "aborted": {p: len(samples.get(f"{p}_aborted", [])) for p in tiers},
+        "failed": {p: len(samples.get(f"{p}_failed", [])) for p in tiers},
     }
 
 
@@ -242,7 +243,7 @@ async def run_variant(args: argparse.Namespace, cpus: int, workdir: Path) -> dic
     with_ratio = phases["with_loaded"]["p0_ttft_p99_ms"] / phases["with_unloaded"]["p0_ttft_p99_ms"]
     without_ratio = phases["without_loaded"]["p0_ttft_p99_ms"] / phases["without_unloaded"]["p0_ttft_p99_ms"]
     served = phases["with_loaded"]["served"]["p0"]
-    attempted = served + phases["with_loaded"]["refused"]["p0"] + phases["with_loaded"]["aborted"]["p0"]
+    attempted = served + sum(phases["with_loaded"][outcome]["p0"] for outcome in ("refused", "aborted", "failed"))
     return {
         "figures": {
             "p0_ttft_p99_ratio_with_sits": round(with_ratio, 3),
@@ -281,6 +282,11 @@ async def run(args: argparse.Namespace) -> None:
         print(f"== variant {variant} (logs in {workdir})", flush=True)
         results[variant] = await run_variant(args, cpus, workdir)
         print(json.dumps(results[variant]["figures"], indent=2), flush=True)
+        # Written after each variant: a later one that fails keeps what the earlier ones measured.
+        record(args, results)
+
+
+def record(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
     figures: dict[str, Any] = {}
     details: dict[str, Any] = {}
     for variant, result in results.items():
@@ -315,7 +321,7 @@ async def run(args: argparse.Namespace) -> None:
         ),
         extra={"detail": details},
     )
-    print(path.read_text())
+    print(f"recorded {', '.join(results)} in {path}", flush=True)
 
 
 def main() -> int:
