@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,8 +17,27 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+# Ports handed out below Linux's ephemeral range (32768-60999 by default). A port the kernel
+# picks for `bind(0)` comes from that range, and so does the source port of every outgoing
+# connection on the host: on a busy machine one of those could take a port between the moment
+# it was chosen here and the moment the service binds it (seen: a service failing to start with
+# "Failed to bind"). Below the range only another listener can collide.
+_LOW_PORTS = (20000, 32767)
+_handed_out: set[int] = set()
+
 
 def free_port(host: str = "127.0.0.1") -> int:
+    for _ in range(64):
+        port = random.randint(*_LOW_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
