@@ -7,13 +7,14 @@ Real parts: Tansu, the decision service as 1, 2 or 4 processes of one consumer g
 replays the recorded H200 traces, shifted and mixed, at 10 Hz per target through CapturePublisher.
 
 Per run (a fresh stack for each targets x replicas):
-- samples_per_s: samples whose record the decision group committed during the measured window, per second.
+- samples_per_s: samples published during the measured window that the decision group committed by the end of
+  the run, per second of window (what the pipeline carried; the lag says whether it kept up).
 - decision_lag_p99_ms: a sample's record handed to the producer → the decision group's committed offset
   past it (committed offsets polled every 50 ms; a record not committed when the run ends counts as
   lagging until then).
 - decision_cpu_cores / cpu_us_per_sample: CPU seconds of all decision processes over the window (from
   /proc), per second and per sample committed.
-- reaction_p99_ms: probe targets (served by the executor) jump from 50% to 99% of memory once each during
+- reaction_p99_ms: probe targets (served by the executor) jump from 50% to 99.9% of memory once each during
   the window; the sample's production time → the executor's APPLIED result (`applied_at`) for the
   command it caused: heads to OOM → action live, through the loaded partitions.
 Writes bench/results/fleet_scale.json; per-run figures under `runs`.
@@ -36,6 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import yaml
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from google.protobuf.message import Message
@@ -43,6 +45,7 @@ from google.protobuf.message import Message
 from bench.common import quantile, write_result
 from services.capture.publisher import CapturePublisher, TopicEnsuringProducer
 from services.capture.spool import Spool
+from services.decision.main import DEFAULT_POLICY_FILE
 from sits.fleet.sim import Fleet, TraceFrames, load_frames, trace_paths
 from sits.runtime.events import Topics, new_meta, seconds
 from sits.runtime.kafka_security import kafka_options_for
@@ -55,20 +58,22 @@ COMMAND = ".venv/bin/python -m bench.fleet_scale"
 PARTITIONS = 8
 HZ = 10.0
 GIB = 1 << 30
-# SET_PRESSURE needs only the pressure file: the probes' actions go live without an engine or Envoy.
-POLICY_YAML = """
-defaults:
-  cooldown_s: 30
-  target_cooldown_s: 5
-  deadline_s: 30
-  target_memory_fraction: 0.9
-tiers: {default: P1, engines: {}}
-rules:
-  - name: memory-high-pressure
-    when: {memory_fraction_above: 0.95}
-    then: [{kind: SET_PRESSURE, pressure: 0.8}]
-    on_clear: [{kind: SET_PRESSURE, pressure: 0.1}]
-"""
+# The default policy (forecast, fragmentation, co-tenant and OOM rules: what the fleet's traces should meet), plus
+# one rule for the probes, above every recorded trace's peak (99.5%): its SET_PRESSURE needs only the pressure
+# file, so the probes' actions go live without an engine or Envoy.
+PROBE_RULE = {
+    "name": "probe-pressure",
+    "when": {"memory_fraction_above": 0.997},
+    "then": [{"kind": "SET_PRESSURE", "pressure": 0.8}],
+}
+PROBE_FRACTION = 0.999
+
+
+def fleet_policy() -> str:
+    policy = yaml.safe_load(DEFAULT_POLICY_FILE.read_text())
+    # First: on a probe it claims the target before the forecast rule (which would need a real engine) can.
+    policy["rules"].insert(0, PROBE_RULE)
+    return str(yaml.safe_dump(policy, sort_keys=False))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -154,7 +159,13 @@ def probe_sample(target: common_pb2.Target, fraction: float, sequence: int) -> e
 
 
 async def one_run(
-    frames: list[TraceFrames], targets: int, replicas: int, measure_s: float, warm_s: float, work: Path
+    frames: list[TraceFrames],
+    targets: int,
+    replicas: int,
+    measure_s: float,
+    warm_s: float,
+    work: Path,
+    max_batch: int = 5000,
 ) -> dict[str, Any]:
     prefix = f"f{uuid.uuid4().hex[:10]}."
     topics = Topics(prefix)
@@ -164,7 +175,7 @@ async def one_run(
     ]
     run_dir = work / f"t{targets}-r{replicas}"
     run_dir.mkdir(parents=True)
-    (run_dir / "policy.yaml").write_text(POLICY_YAML)
+    (run_dir / "policy.yaml").write_text(fleet_policy())
     env = {
         "SITS_DECISION_POLICY_FILE": str(run_dir / "policy.yaml"),
         "SITS_EXECUTOR_TARGETS": json.dumps(
@@ -173,6 +184,9 @@ async def one_run(
         "SITS_ENVOY_PRESSURE_FILE": str(run_dir / "pressure"),
         "SITS_LOG_LEVEL": "WARNING",
         "SITS_NVML_ENABLED": "false",
+        # A capture publishes ~1 sample per record at 10 Hz, so a consumer's records per poll bound its rate:
+        # the sizing rule in docs/fleet.md (500, the default, caps a replica near 10k samples/s here).
+        "SITS_CONSUMER_MAX_BATCH": str(max_batch),
     }
     config = StackConfig(
         run_dir=run_dir,
@@ -204,7 +218,7 @@ async def one_run(
         window_start = time.time()
         probe_at: dict[str, float] = {}
         for i, p in enumerate(probes):
-            sample = probe_sample(p, 0.99, 100)
+            sample = probe_sample(p, PROBE_FRACTION, 100)
             probe_at[p.engine] = seconds(sample.meta.produced_at)
             publisher.submit(sample)
             await asyncio.sleep(max(0.0, window_start + (i + 1) * measure_s / len(probes) - time.time()))
@@ -213,7 +227,7 @@ async def one_run(
         sim_cpu = time.process_time() - sim_cpu0
         stop.set()
         await asyncio.gather(sim, pub)
-        await asyncio.sleep(5.0)  # let the group commit what it has
+        await asyncio.sleep(10.0)  # let the group commit what it has, and the last probes' actions land
         poll_stop.set()
         polls = await poller
         records = await h.read_topics(stack.settings.kafka_bootstrap, [topics.results, topics.commands])
@@ -224,7 +238,7 @@ async def one_run(
         done = committed_at(s, polls)
         if window_start <= s.at < window_end:
             lags.extend([(done if done is not None else end) - s.at] * s.samples)
-        if done is not None and window_start <= done < window_end:
+        if done is not None and window_start <= s.at < window_end:
             committed_in_window += s.samples
     reactions = []
     for r in records[topics.results]:
@@ -235,6 +249,7 @@ async def one_run(
                 reactions.append(seconds(m.applied_at) - t0)
     window = window_end - window_start
     decision_cpu = cpu1 - cpu0
+    commands = [m for r in records[topics.commands] if isinstance(m := r.message(), events_pb2.HealingCommand)]
     figures = {
         "targets": targets,
         "replicas": replicas,
@@ -251,7 +266,10 @@ async def one_run(
         "probes_applied": len(reactions),
         "reaction_p50_ms": round(quantile(reactions, 0.5) * 1000, 1),
         "reaction_p99_ms": round(quantile(reactions, 0.99) * 1000, 1),
+        # Commands the fleet's own traces caused (those heading to OOM cross the rule), over the whole run.
+        "commands": len(commands),
         "late_ticks": fleet.stats.late_ticks,
+        "in_incident": fleet.in_incident(),
         "heading_to_oom": fleet.heading_to_oom(),
         "window_s": round(window, 1),
         # This machine is shared: its load during the run says how far the figures are its own.

@@ -83,6 +83,7 @@ class DecisionHandler:
         self._producer = producer
         self._topics = topics
         self._drops_exported: dict[str, int] = {}
+        self._pending: list[asyncio.Future[Any]] = []
 
     def _export_drops(self) -> None:
         drops = self._engine.drops
@@ -120,7 +121,8 @@ class DecisionHandler:
         else:
             return
         metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
-        await self.publish(commands)
+        # Delivered before the batch's offsets are committed (EventConsumer before_commit).
+        await self.publish(commands, wait=False)
 
     def _observe_result(self, result: events_pb2.ActionResult) -> None:
         status = events_pb2.ActionStatus.Name(result.status).removeprefix("ACTION_STATUS_")
@@ -145,7 +147,16 @@ class DecisionHandler:
                 metrics.export_budget(command.target.engine, limits if isinstance(limits, dict) else None)
         await self.publish(commands)
 
-    async def publish(self, commands: list[PlannedCommand]) -> None:
+    async def delivered(self) -> None:
+        """Wait until every command enqueued since the last call is on the broker (before the samples that
+        caused them are committed). Enqueuing instead of waiting per command lets one broker round trip
+        carry a whole batch's commands: under a fleet's load that round trip, not CPU, bounds the decision."""
+        pending, self._pending = self._pending, []
+        if pending:
+            await asyncio.gather(*pending)
+
+    async def publish(self, commands: list[PlannedCommand], *, wait: bool = True) -> None:
+        deliveries: list[asyncio.Future[Any]] = []
         for command in commands:
             metrics.COMMANDS.labels(kind=command.kind.value.lower(), rule=command.rule).inc()
             if command.reason != "controller renew: lower-tier budget renewed":
@@ -156,7 +167,11 @@ class DecisionHandler:
                     command.target.key,
                     command.reason,
                 )
-            await self._producer.publish(self._topics.commands, convert.command_to_pb(command))
+            deliveries.append(await self._producer.enqueue(self._topics.commands, convert.command_to_pb(command)))
+        if wait:
+            await asyncio.gather(*deliveries)
+        else:
+            self._pending.extend(deliveries)
 
 
 def build_engine(settings: DecisionSettings, clock: Clock) -> DecisionEngine:
@@ -213,6 +228,7 @@ async def serve(settings: DecisionSettings, stop: asyncio.Event) -> None:
             on_assigned=moves.assigned,
             on_revoked=moves.revoked,
             replay={topics.metrics: settings.decision_replay_records},
+            before_commit=handler.delivered,
         )
         moves.consumer = consumer
         async with contextlib.AsyncExitStack() as stack:

@@ -29,6 +29,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "(default: SITS_KAFKA_BOOTSTRAP and SITS_TOPIC_PREFIX)",
     )
     parser.add_argument("--traces", type=Path, nargs="*", default=None, help="trace files (default: traces/)")
+    parser.add_argument(
+        "--incidents",
+        type=float,
+        default=0.1,
+        help="fraction of targets replaying an incident trace (near the limit, most running out; default 0.1)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,10 +50,11 @@ async def _run(args: argparse.Namespace) -> int:
         overrides = {"kafka_bootstrap": stack["kafka_bootstrap"], "topic_prefix": stack["topic_prefix"]}
     settings = load_settings(Settings, **overrides)
     frames = [load_frames(p, args.hz) for p in (args.traces or trace_paths())]
-    fleet = Fleet(frames, args.targets, hz=args.hz)
+    fleet = Fleet(frames, args.targets, hz=args.hz, incident_fraction=args.incidents)
     print(
         f"{args.targets} targets at {args.hz:g} Hz over {len(frames)} traces "
-        f"({fleet.heading_to_oom()} replay a trace that runs out of memory) -> {settings.kafka_bootstrap}"
+        f"({fleet.in_incident()} in an incident, {fleet.heading_to_oom()} running out of memory) "
+        f"-> {settings.kafka_bootstrap}"
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

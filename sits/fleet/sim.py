@@ -28,6 +28,8 @@ from sits.v1 import common_pb2, events_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE_DIRS = (REPO / "traces" / "h200", REPO / "traces" / "h200_vllm")
+# A trace that never runs out of memory and stays under this is a calm GPU's; the rest are incidents.
+CALM_PEAK = 0.9
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class TraceFrames:
     name: str
     frames: tuple[events_pb2.MetricSample, ...]
     heads_to_oom: bool
+    peak_fraction: float = 0.0
 
 
 def trace_paths(dirs: Iterable[Path] = TRACE_DIRS) -> list[Path]:
@@ -58,7 +61,8 @@ def load_frames(path: Path, hz: float) -> TraceFrames:
         while index + 1 < len(samples) and float(samples[index + 1]["t"]) <= t:
             index += 1
         frames.append(record_to_sample(samples[index], empty, produced_at=0.0, sequence=0, event_id=""))
-    return TraceFrames(trace.header.name or path.stem, tuple(frames), ooms)
+    peak = max((f.gpu.used_bytes / f.gpu.total_bytes for f in frames if f.gpu.total_bytes), default=0.0)
+    return TraceFrames(trace.header.name or path.stem, tuple(frames), ooms, peak)
 
 
 @dataclass
@@ -95,14 +99,21 @@ class Fleet:
         host_prefix: str = "fleet-host",
         engine_prefix: str = "fleet",
         seed: int = 22,
+        incident_fraction: float = 0.1,
     ) -> None:
+        """`incident_fraction` of the targets replay the traces recorded during incidents (memory near the
+        limit, most running out); the others the calm ones. A fleet is mostly healthy: were every GPU in an
+        incident at once, the commands, not the samples, would be what the run measured."""
         if not traces:
             raise ValueError("no traces to replay")
+        calm = [t for t in traces if not t.heads_to_oom and t.peak_fraction < CALM_PEAK]
+        incidents = [t for t in traces if t not in calm]
         rng = random.Random(seed)
         self.hz = hz
         self.targets: list[SimTarget] = []
         for i in range(targets):
-            trace = traces[i % len(traces)]
+            pool = incidents if (not calm or (incidents and rng.random() < incident_fraction)) else calm
+            trace = pool[i % len(pool)]
             target = common_pb2.Target(
                 host=f"{host_prefix}-{i // gpus_per_host}", gpu_uuid=f"GPU-sim-{i:06d}", engine=f"{engine_prefix}-{i}"
             )
@@ -112,6 +123,9 @@ class Fleet:
 
     def heading_to_oom(self) -> int:
         return sum(1 for t in self.targets if t.trace.heads_to_oom)
+
+    def in_incident(self) -> int:
+        return sum(1 for t in self.targets if t.trace.heads_to_oom or t.trace.peak_fraction >= CALM_PEAK)
 
     def tick(self, publisher: CapturePublisher, step: int, now: float) -> None:
         stamp = int(now * 1e9)

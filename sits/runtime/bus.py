@@ -302,9 +302,12 @@ class EventConsumer:
         on_assigned: PartitionsChanged | None = None,
         on_revoked: PartitionsChanged | None = None,
         replay: Mapping[str, int] | None = None,
+        before_commit: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """`replay`: per topic, how many records before the committed offset a newly assigned partition
-        is read again with `ReceivedEvent.replay` set (0 or absent: none)."""
+        is read again with `ReceivedEvent.replay` set (0 or absent: none). `before_commit`: awaited before
+        each commit (a handler that only enqueued what it produces waits for delivery there); when it
+        raises, nothing is committed and the consumer goes back to its committed offsets."""
         self._settings = settings
         self._topics = list(topics)
         self._handler = handler
@@ -315,6 +318,7 @@ class EventConsumer:
         self._group_id = group_id
         self._on_assigned = on_assigned
         self._on_revoked = on_revoked
+        self._before_commit = before_commit
         self._replay = dict(replay or {})
         # Per partition: records below this offset are replayed state, not work (set on assignment).
         self._replay_until: dict[TopicPartition, int] = {}
@@ -593,6 +597,17 @@ class EventConsumer:
         self._last_commit = time.monotonic()
         if not offsets:
             return
+        if self._before_commit is not None:
+            try:
+                await self._before_commit()
+            except Exception:
+                # What the handled records produced may not have reached the broker: handle them again.
+                log.exception("delivery before commit failed; %d partition(s) go back to their commits", len(offsets))
+                for tp in offsets:
+                    self._uncommitted.pop(tp, None)
+                with contextlib.suppress(KafkaError, AssertionError):
+                    await self._consumer.seek_to_committed(*[tp for tp in offsets if tp in self._consumer.assignment()])
+                return
         try:
             await self._consumer.commit(offsets)
         except KafkaError as error:
