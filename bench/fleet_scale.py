@@ -264,8 +264,9 @@ async def one_run(
         "simulator_cpu_cores": round(sim_cpu / window, 3),
         "probes": len(probes),
         "probes_applied": len(reactions),
-        "reaction_p50_ms": round(quantile(reactions, 0.5) * 1000, 1),
-        "reaction_p99_ms": round(quantile(reactions, 0.99) * 1000, 1),
+        # None: no probe's action went live before the run ended.
+        "reaction_p50_ms": round(quantile(reactions, 0.5) * 1000, 1) if reactions else None,
+        "reaction_p99_ms": round(quantile(reactions, 0.99) * 1000, 1) if reactions else None,
         # Commands the fleet's own traces caused (those heading to OOM cross the rule), over the whole run.
         "commands": len(commands),
         "late_ticks": fleet.stats.late_ticks,
@@ -313,7 +314,9 @@ def main() -> int:
         if one and four
         else None,
         f"decision_lag_p99_ms_{top}_targets": max(x["decision_lag_p99_ms"] for x in biggest),
-        f"reaction_p99_ms_{top}_targets": max(x["reaction_p99_ms"] for x in biggest),
+        f"reaction_p99_ms_{top}_targets": None
+        if any(x["reaction_p99_ms"] is None for x in biggest)
+        else max(x["reaction_p99_ms"] for x in biggest),
         "cpu_core_pct_per_1000_targets": one["cpu_core_pct_per_1000_targets"] if one else None,
     }
     path = write_result(
