@@ -153,14 +153,16 @@ class ValidatorService:
             token = otel_context.attach(parent)
             try:
                 with tracer.start_as_current_span("validate action", attributes={"sits.action_id": pending.action_id}):
-                    await self._conclude(pending, judgement)
+                    concluded = await self._conclude(pending, judgement)
             finally:
                 otel_context.detach(token)
-            self.validator.forget(pending.action_id)
+            if concluded:
+                self.validator.forget(pending.action_id)
         metrics.PENDING.set(len(self.validator.pending))
         return len(due)
 
-    async def _conclude(self, pending: PendingAction, judgement: Judgement) -> None:
+    async def _conclude(self, pending: PendingAction, judgement: Judgement) -> bool:
+        """Publish and record the verdict; False when it must be tried again later (see the claim)."""
         target = self._targets.get(pending.target_key) or _target_from_key(pending.target_key)
         now = self._clock.now()
         verdict = events_pb2.ValidationVerdict(
@@ -183,8 +185,12 @@ class ValidatorService:
                 detail=check.detail,
             )
         if not await self._audit.claim_verdict(pending.action_id, verdict.verdict_id):
-            log.info("action %s already has a verdict (another replica's); not judged again", pending.action_id)
-            return
+            if await self._audit.verdict_for_action(pending.action_id) is not None:
+                log.info("action %s already has a verdict (another replica's); not judged again", pending.action_id)
+                return True
+            # Claimed and not recorded: another replica is publishing it, or died doing so and its claim runs
+            # out. Keep watching; the next tick tries again.
+            return False
         try:
             await self._publish_verdict(pending, judgement, verdict, target, now)
         except BaseException:
@@ -196,6 +202,7 @@ class ValidatorService:
             if self.on_verdict is not None:
                 await self.on_verdict(verdict)
         log.info("verdict %s for action %s", judgement.outcome.value, pending.action_id)
+        return True
 
     async def _publish_verdict(
         self,

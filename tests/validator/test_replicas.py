@@ -80,3 +80,25 @@ async def test_two_replicas_judging_one_action_publish_one_verdict(
         await asyncio.gather(a.judge_due(), b.judge_due())
         found = await verdicts(settings, topics, 1)
         assert [v.action_id for v in found] == ["both"]
+
+
+@pytest.mark.timeout(60)
+async def test_a_claim_left_by_a_killed_replica_runs_out_and_the_owner_judges(
+    settings: Settings, topics: Topics, redis_client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("services.validator.audit.CLAIM_TTL_S", 1)
+    await ensure_topics(settings)
+    clock = ManualClock(start=time.time())
+    async with EventProducer(settings) as producer:
+        owner = replica(settings, topics, redis_client, producer, clock)
+        await owner.handle(received(result("orphan", clock.now(), watermark=0.9)))
+        # A replica claimed the verdict and was killed before publishing it.
+        assert await AuditStore(redis_client, settings.topic_prefix).claim_verdict("orphan", "verdict-dead")  # type: ignore[arg-type]
+        clock.advance(2.0)
+        await owner.judge_due()
+        assert "orphan" in owner.validator.pending, "still watched while the claim holds"
+        await asyncio.sleep(1.5)  # the dead replica's claim runs out
+        await owner.judge_due()
+        assert "orphan" not in owner.validator.pending
+        found = await verdicts(settings, topics, 1)
+        assert [v.action_id for v in found] == ["orphan"]
