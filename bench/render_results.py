@@ -22,6 +22,9 @@ UPPER_BOUND_HINTS = (
     "max_rel_error",
     "added",
     "forged_commands_applied",
+    "ratio_4_over_1",
+    "double_leases",
+    "without_verdict",
 )
 
 

@@ -22,6 +22,7 @@ CPU_BENCHMARKS = [
     "envoy_overhead.py",
     "overload.py",
     "reliability.py",
+    "reliability_replicas.py",
 ]
 
 

@@ -31,6 +31,7 @@ TOOLS = (
     Tool("estimate", "services.decision.estimator_cli", "model memory on a GPU: weights, KV cache, what fits"),
     Tool("mig", "services.executor.mig.cli", "plan a MIG re-partition that touches only what must change"),
     Tool("mesh", "sits_mesh.cli", "render Envoy and Istio configs from a mesh policy"),
+    Tool("fleet", "sits.fleet.cli", "simulate a fleet of GPUs: recorded H200 traces, shifted and mixed, into Kafka"),
     Tool("settings", "sits.settings_cli", "list every SITS_ setting, its default and meaning"),
     Tool("keys", "sits.keys_cli", "make and rotate the keys that sign healing commands"),
     Tool("tls", "sits.stack.devcerts", "development certificates (a CA, server and client certificates)"),

@@ -9,6 +9,12 @@ The tier controller runs on its own fixed tick (the policy's
 verdicts on its commands come back to it from the executor and the validator.
 Every command is signed with the first key of SITS_COMMAND_SIGNING_KEY_FILE:
 executors apply no unsigned command.
+
+Replicas share the group SITS_DECISION_GROUP; each ticks only the targets on
+the partitions it owns. On a move the per-target state goes through Redis
+(services/decision/handover.py) and the new owner rebuilds forecast windows by
+reading the last SITS_DECISION_REPLAY_RECORDS records of each metrics partition
+again (docs/fleet.md).
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
+from aiokafka import TopicPartition
 from pydantic import Field
 
 from services.decision import convert, metrics
@@ -29,12 +37,14 @@ from services.decision.domain.kv_model import ModelShape, known_model, shape_fro
 from services.decision.domain.policy import parse_policy
 from services.decision.domain.types import ActionKind, PlannedCommand
 from services.decision.grpc_api import MUTATING_METHODS, SERVICE_NAME, DecisionService
-from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics
+from services.decision.handover import HandoverStore
+from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics, partition_of
 from sits.runtime.clock import Clock, SystemClock
 from sits.runtime.events import Topics, seconds
 from sits.runtime.grpc_tls import server_credentials
 from sits.runtime.grpcserver import GrpcServer, ServiceBinding, read_token
 from sits.runtime.metrics import serve_metrics
+from sits.runtime.redis import connect_with
 from sits.runtime.settings import CommandSigningSettings
 from sits.runtime.signing import Signer, file_signer
 from sits.v1 import decision_pb2_grpc, events_pb2
@@ -53,6 +63,13 @@ class DecisionSettings(CommandSigningSettings):
     decision_group: str = Field(
         "sits-decision", description="Kafka consumer group of the decision service (after SITS_TOPIC_PREFIX)."
     )
+    decision_replay_records: int = Field(
+        2000,
+        ge=0,
+        le=1_000_000,
+        description="Records of a metrics partition read again, before its committed offset, when a decision "
+        "replica is assigned it: they rebuild the forecast windows of the targets it takes over (0: none).",
+    )
 
 
 SETTINGS = DecisionSettings
@@ -66,6 +83,7 @@ class DecisionHandler:
         self._producer = producer
         self._topics = topics
         self._drops_exported: dict[str, int] = {}
+        self._pending: list[asyncio.Future[Any]] = []
 
     def _export_drops(self) -> None:
         drops = self._engine.drops
@@ -77,6 +95,10 @@ class DecisionHandler:
 
     async def __call__(self, event: ReceivedEvent) -> None:
         message = event.message
+        if event.replay:
+            if isinstance(message, events_pb2.MetricSample):
+                self._engine.warm(convert.sample_from_pb(message))
+            return
         started = time.perf_counter()
         if isinstance(message, events_pb2.MetricSample):
             sample = convert.sample_from_pb(message)
@@ -99,7 +121,8 @@ class DecisionHandler:
         else:
             return
         metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
-        await self.publish(commands)
+        # Delivered before the batch's offsets are committed (EventConsumer before_commit).
+        await self.publish(commands, wait=False)
 
     def _observe_result(self, result: events_pb2.ActionResult) -> None:
         status = events_pb2.ActionStatus.Name(result.status).removeprefix("ACTION_STATUS_")
@@ -124,7 +147,16 @@ class DecisionHandler:
                 metrics.export_budget(command.target.engine, limits if isinstance(limits, dict) else None)
         await self.publish(commands)
 
-    async def publish(self, commands: list[PlannedCommand]) -> None:
+    async def delivered(self) -> None:
+        """Wait until every command enqueued since the last call is on the broker (before the samples that
+        caused them are committed). Enqueuing instead of waiting per command lets one broker round trip
+        carry a whole batch's commands: under a fleet's load that round trip, not CPU, bounds the decision."""
+        pending, self._pending = self._pending, []
+        if pending:
+            await asyncio.gather(*pending)
+
+    async def publish(self, commands: list[PlannedCommand], *, wait: bool = True) -> None:
+        deliveries: list[asyncio.Future[Any]] = []
         for command in commands:
             metrics.COMMANDS.labels(kind=command.kind.value.lower(), rule=command.rule).inc()
             if command.reason != "controller renew: lower-tier budget renewed":
@@ -135,7 +167,11 @@ class DecisionHandler:
                     command.target.key,
                     command.reason,
                 )
-            await self._producer.publish(self._topics.commands, convert.command_to_pb(command))
+            deliveries.append(await self._producer.enqueue(self._topics.commands, convert.command_to_pb(command)))
+        if wait:
+            await asyncio.gather(*deliveries)
+        else:
+            self._pending.extend(deliveries)
 
 
 def build_engine(settings: DecisionSettings, clock: Clock) -> DecisionEngine:
@@ -178,18 +214,63 @@ async def serve(settings: DecisionSettings, stop: asyncio.Event) -> None:
         credentials=server_credentials(settings),
     )
     signer = command_signer(settings, "decision")
+    group = f"{settings.topic_prefix}{settings.decision_group}"
+    redis = connect_with(settings)
     async with EventProducer(settings, signer=signer) as producer, server:
         handler = DecisionHandler(engine, producer, topics)
+        moves = PartitionMoves(engine, HandoverStore(redis, settings.topic_prefix, group), topics.metrics)
         consumer = EventConsumer(
             settings,
-            group_id=f"{settings.topic_prefix}{settings.decision_group}",
+            group_id=group,
             topics=[topics.metrics, topics.oom, topics.results, topics.validation],
             handler=handler,
             dead_letters=producer,
+            on_assigned=moves.assigned,
+            on_revoked=moves.revoked,
+            replay={topics.metrics: settings.decision_replay_records},
+            before_commit=handler.delivered,
         )
-        async with consumer, asyncio.TaskGroup() as tasks:
+        moves.consumer = consumer
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(redis.aclose)
+            await stack.enter_async_context(consumer)
+            tasks = await stack.enter_async_context(asyncio.TaskGroup())
             tasks.create_task(run_ticks(handler, engine, stop))
             await consumer.run(stop)
+
+
+class PartitionMoves:
+    """Hands targets over through Redis when the group moves partitions between decision replicas."""
+
+    def __init__(self, engine: DecisionEngine, store: HandoverStore, metrics_topic: str) -> None:
+        self._engine = engine
+        self._store = store
+        self._topic = metrics_topic
+        self.consumer: EventConsumer | None = None
+
+    def _count(self) -> int:
+        count = self.consumer.partition_count(self._topic) if self.consumer is not None else None
+        return count or 1
+
+    async def revoked(self, revoked: set[TopicPartition]) -> None:
+        lost = {tp.partition for tp in revoked}
+        if not lost:
+            return
+        count = self._count()
+        handed = self._engine.hand_over(lambda key: partition_of(key, count) in lost)
+        by_partition: dict[int, dict[str, dict[str, Any]]] = {}
+        for key, data in handed.items():
+            by_partition.setdefault(partition_of(key, count), {})[key] = data
+        written = await self._store.put(by_partition)
+        log.info("handed over %d target(s) on partition(s) %s", written, sorted(lost))
+
+    async def assigned(self, assigned: set[TopicPartition]) -> None:
+        gained = {tp.partition for tp in assigned}
+        count = self._count()
+        # Targets of partitions this replica no longer owns (a move it did not see revoked): not ours to tick.
+        self._engine.hand_over(lambda key: partition_of(key, count) not in gained)
+        taken = self._engine.take_over(await self._store.take(gained)) if gained else 0
+        log.info("assigned partition(s) %s; took over %d target(s)", sorted(gained), taken)
 
 
 async def run_ticks(handler: DecisionHandler, engine: DecisionEngine, stop: asyncio.Event) -> None:

@@ -23,7 +23,7 @@ from services.executor.domain import BreakerPolicy
 from services.executor.grpc_api import MUTATING_METHODS, SERVICE_NAME, ExecutorServicer
 from services.executor.service import EngineTarget, Executor, InvalidCommand
 from services.executor.settings import ExecutorSettings
-from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics
+from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics, partition_of
 from sits.runtime.clock import SystemClock
 from sits.runtime.events import Topics
 from sits.runtime.grpc_tls import server_credentials
@@ -140,6 +140,7 @@ async def serve(settings: ExecutorSettings, stop: asyncio.Event) -> None:
             dead_letters=producer,
             coalesce=False,
         )
+        executor.ownership = PartitionOwnership(consumer, executor.state, topics.commands)
         async with server, consumer:
             reconcile = asyncio.create_task(_reconcile_loop(executor, settings.executor_reconcile_interval_s, stop))
             try:
@@ -148,6 +149,24 @@ async def serve(settings: ExecutorSettings, stop: asyncio.Event) -> None:
                 reconcile.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reconcile
+
+
+class PartitionOwnership:
+    """An executor replica reconciles the targets whose commands arrive on the partitions it owns."""
+
+    def __init__(self, consumer: EventConsumer, state: RedisState, topic: str) -> None:
+        self._consumer = consumer
+        self._state = state
+        self._topic = topic
+
+    async def owned(self, names: list[str]) -> set[str]:
+        count = self._consumer.partition_count(self._topic)
+        mine = self._consumer.owned_partitions(self._topic)
+        if not count or not mine:
+            return set()  # not in the group yet (or owning nothing): another replica reconciles
+        keys = await self._state.target_keys(names)
+        # A target never commanded has no key yet: its name places it, so exactly one replica still looks after it.
+        return {n for n in names if partition_of(keys.get(n, n), count) in mine}
 
 
 async def _reconcile_loop(executor: Executor, interval_s: float, stop: asyncio.Event) -> None:

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from services.executor import domain, metrics
 from services.executor.actions import ACTIONS
@@ -39,7 +40,7 @@ from services.executor.adapters.envoy import EnvoyAdmin
 from services.executor.adapters.redis_state import Lease, LeaseHeld, RedisState
 from services.executor.domain import ActionKind, BreakerPolicy, Tier
 from sits.runtime.clock import Clock
-from sits.runtime.events import new_meta
+from sits.runtime.events import new_meta, target_key
 from sits.v1 import common_pb2, events_pb2
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,12 @@ ActionStatus = events_pb2.ActionStatus
 Publish = Callable[[events_pb2.ActionResult], Awaitable[None]]
 
 __all__ = ["ActionNotFound", "EngineTarget", "Executor", "InvalidCommand", "MigHook"]
+
+
+class Ownership(Protocol):
+    """Which of the configured targets this executor replica reconciles (the others belong to other replicas)."""
+
+    async def owned(self, names: list[str]) -> set[str]: ...
 
 
 @dataclass
@@ -63,6 +70,9 @@ class Executor:
     lease_ttl_ms: int = 10_000
     flush_wait_idle_s: float = 2.0
     mig: MigHook | None = None
+    # None: a lone executor, it reconciles every target.
+    ownership: Ownership | None = None
+    _known_keys: dict[str, str] = field(default_factory=dict)
     _pushed_limits: dict[str, dict[Tier, int]] = field(default_factory=dict)
     # Per target: the commands whose breaker or budget was in force at the last reconcile, to report expiry.
     _holding: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -75,6 +85,7 @@ class Executor:
         Raises InvalidCommand (nothing applied, nothing published: the caller
         decides), StateUnavailable (Redis down: retry later), LeaseHeld.
         """
+        engine_level = bool(command.meta.target.engine)
         self._resolve_gpu_level(command)
         reasons = domain.validate_command(command, self.targets.keys(), breaker_policy=self.policy)
         if reasons:
@@ -82,6 +93,8 @@ class Executor:
         if command.kind == ActionKind.ACTION_KIND_ROLLBACK:
             return await self.rollback(command.rollback.action_id, command=command)
         target_name = command.meta.target.engine
+        if engine_level and target_name in self.targets:
+            await self._remember_key(target_name, target_key(command.meta.target))
         if domain.is_stale(command, self.clock.now()):
             result = self.result_for(command, ActionStatus.ACTION_STATUS_SKIPPED_STALE, "deadline passed; not applied")
             await self.state.record(target_name, result, mark_applied=False)
@@ -92,6 +105,12 @@ class Executor:
             return await self._apply_under_lease(command, lease)
         finally:
             await self.state.release_lease(lease)
+
+    async def _remember_key(self, target_name: str, key: str) -> None:
+        """Where this target's commands are keyed, so whichever replica owns that partition reconciles it."""
+        if self._known_keys.get(target_name) != key:
+            await self.state.remember_target_key(target_name, key)
+            self._known_keys[target_name] = key
 
     def _resolve_gpu_level(self, command: events_pb2.HealingCommand) -> None:
         """Point a GPU-level command (a MIG plan, pressure) at the one engine on that GPU."""
@@ -260,7 +279,15 @@ class Executor:
     async def reconcile_breakers(self) -> None:
         """Push limits that moved by time (breaker TTLs, budget leases) to Envoy, and report what expired."""
         now = self.clock.now()
+        names = list(self.targets)
+        owned = set(names) if self.ownership is None else await self.ownership.owned(names)
+        for gone in [n for n in self._holding if n not in owned]:
+            # Another replica reports its expiries now; forget, so a later return starts from what is there.
+            del self._holding[gone]
+            self._pushed_limits.pop(gone, None)
         for target_name, target in self.targets.items():
+            if target_name not in owned:
+                continue
             board = await self.state.breakers(target_name)
             budget = await self.state.budget(target_name)
             metrics.export_breakers(target_name, board, now, self.policy)

@@ -9,6 +9,7 @@ picks up the actions it was watching.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict
 
 import redis.asyncio as aioredis
@@ -16,6 +17,9 @@ import redis.asyncio as aioredis
 from services.validator.domain import PendingAction
 from sits.runtime.promise import Promise
 from sits.v1 import events_pb2
+
+# Longer than publishing a verdict ever takes, short enough that a crashed claimant's action is judged soon.
+CLAIM_TTL_S = 30
 
 
 class AuditStore:
@@ -26,13 +30,28 @@ class AuditStore:
     def _k(self, *parts: str) -> str:
         return ":".join((self._ns, *parts))
 
-    async def record_verdict(self, verdict: events_pb2.ValidationVerdict, target_key: str) -> bool:
-        """Store a verdict; False if this action already has one."""
-        claimed = await self._r.set(self._k("by-action", verdict.action_id), verdict.verdict_id, nx=True)
-        if not claimed:
+    async def claim_verdict(self, action_id: str, verdict_id: str) -> bool:
+        """Take the one verdict this action may have (SET NX), before it is published: of two validator
+        replicas judging one action during a move, only one publishes. False: it is taken. The claim
+        expires unless `record_verdict` makes it permanent, so a claimant killed before publishing does
+        not leave the action without a verdict forever."""
+        return bool(await self._r.set(self._k("by-action", action_id), verdict_id, nx=True, ex=CLAIM_TTL_S))
+
+    async def unclaim_verdict(self, action_id: str, verdict_id: str) -> None:
+        """Give the claim back when the verdict could not be published, so the next try can."""
+        raw = await self._r.get(self._k("by-action", action_id))
+        if raw is not None and _text(raw) == verdict_id:
+            await self._r.delete(self._k("by-action", action_id))
+
+    async def record_verdict(
+        self, verdict: events_pb2.ValidationVerdict, target_key: str, claimed: bool = False
+    ) -> bool:
+        """Store a verdict; False if this action already has one. `claimed`: `claim_verdict` took it already."""
+        if not claimed and not await self.claim_verdict(verdict.action_id, verdict.verdict_id):
             return False
         score = verdict.settled_at.seconds + verdict.settled_at.nanos / 1e9
         async with self._r.pipeline(transaction=True) as pipe:
+            pipe.set(self._k("by-action", verdict.action_id), verdict.verdict_id)
             pipe.set(self._k("verdict", verdict.verdict_id), verdict.SerializeToString())
             pipe.zadd(self._k("all"), {verdict.verdict_id: score})
             pipe.zadd(self._k("target", target_key), {verdict.verdict_id: score})
@@ -75,9 +94,11 @@ class AuditStore:
     async def save_pending(self, pending: PendingAction) -> None:
         await self._r.hset(self._k("pending"), pending.action_id, json.dumps(asdict(pending)))
 
-    async def load_pending(self) -> list[PendingAction]:
+    async def load_pending(self, owned: Callable[[str], bool] | None = None) -> list[PendingAction]:
+        """Watches not judged yet; with `owned`, only those whose target key it accepts."""
         raw = await self._r.hgetall(self._k("pending"))
-        return [_pending(json.loads(v)) for v in raw.values()]
+        found = [_pending(json.loads(v)) for v in raw.values()]
+        return found if owned is None else [p for p in found if owned(p.target_key)]
 
 
 def _bytes(value: object) -> bytes:

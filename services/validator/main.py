@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 
+from aiokafka import TopicPartition
 from pydantic import Field
 
 from services.validator.audit import AuditStore
@@ -13,7 +14,7 @@ from services.validator.domain import Validator
 from services.validator.grpc_api import ValidatorApi
 from services.validator.probes import LiveProbes
 from services.validator.service import ValidatorService
-from sits.runtime.bus import EventConsumer, EventProducer, ensure_topics
+from sits.runtime.bus import EventConsumer, EventProducer, ensure_topics, partition_of
 from sits.runtime.clock import SystemClock
 from sits.runtime.events import Topics
 from sits.runtime.grpc_tls import server_credentials
@@ -37,6 +38,11 @@ class ValidatorSettings(CommandSigningSettings):
     validator_admission_metrics_url: str = Field(
         "",
         description="The admission processor's /metrics URL: P0 requests SITS admission refused; empty: not measured.",
+    )
+    validator_group: str = Field(
+        "sits-validator",
+        description="Kafka consumer group of the validator replicas (after SITS_TOPIC_PREFIX); each judges the "
+        "actions on the targets of the partitions it owns.",
     )
     validator_settle_s: dict[str, float] = Field(
         default_factory=dict,
@@ -76,16 +82,19 @@ async def serve(settings: ValidatorSettings, stop: asyncio.Event) -> None:
             probes=probes,
             settle_overrides=settings.validator_settle_s,
         )
-        await service.resume()
+        moves = PendingMoves(service, topics.results)
         consumer = stack.push_async_exit(
             EventConsumer(
                 settings,
-                group_id=f"{settings.topic_prefix}sits-validator",
+                group_id=f"{settings.topic_prefix}{settings.validator_group}",
                 topics=[topics.results, topics.metrics, topics.oom],
                 handler=service.handle,
                 dead_letters=producer,
+                on_assigned=moves.assigned,
+                on_revoked=moves.revoked,
             )
         )
+        moves.consumer = consumer
         api = ValidatorApi(AuditStore(redis, settings.topic_prefix), service.live)
         await stack.enter_async_context(
             GrpcServer(
@@ -105,3 +114,30 @@ async def serve(settings: ValidatorSettings, stop: asyncio.Event) -> None:
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(consumer.run(stop))
             tasks.create_task(service.run_judge_loop(stop))
+
+
+class PendingMoves:
+    """Watches follow their targets' partitions: pending verdicts live in Redis, so a replica that gains a
+    partition picks them up there and one that loses it simply stops judging them."""
+
+    def __init__(self, service: ValidatorService, results_topic: str) -> None:
+        self._service = service
+        self._topic = results_topic
+        self.consumer: EventConsumer | None = None
+
+    def _count(self) -> int:
+        count = self.consumer.partition_count(self._topic) if self.consumer is not None else None
+        return count or 1
+
+    async def revoked(self, revoked: set[TopicPartition]) -> None:
+        lost = {tp.partition for tp in revoked}
+        count = self._count()
+        released = self._service.release(lambda key: partition_of(key, count) in lost)
+        log.info("partition(s) %s revoked: %d pending watch(es) left to their next owner", sorted(lost), released)
+
+    async def assigned(self, assigned: set[TopicPartition]) -> None:
+        mine = {tp.partition for tp in assigned}
+        count = self._count()
+        self._service.release(lambda key: partition_of(key, count) not in mine)
+        resumed = await self._service.resume(lambda key: partition_of(key, count) in mine)
+        log.info("assigned partition(s) %s: %d pending watch(es) resumed", sorted(mine), resumed)

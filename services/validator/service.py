@@ -87,12 +87,20 @@ class ValidatorService:
         self.live: Fanout[tuple[str, events_pb2.ValidationVerdict]] = Fanout(buffer=256)
         self.on_verdict: Callable[[events_pb2.ValidationVerdict], Awaitable[None]] | None = None
 
-    async def resume(self) -> int:
-        """Reload the watches a previous run had not judged yet."""
-        pending = await self._audit.load_pending()
+    async def resume(self, owned: Callable[[str], bool] | None = None) -> int:
+        """Reload the watches not judged yet (with `owned`: of the targets it accepts), e.g. those of a
+        previous run or of the replica that owned these targets before a move."""
+        pending = await self._audit.load_pending(owned)
         for item in pending:
             self.validator.expect(item)
         return len(pending)
+
+    def release(self, owned_elsewhere: Callable[[str], bool]) -> int:
+        """Stop watching the targets now owned by another replica; their watches stay in Redis for it."""
+        gone = [p.action_id for p in self.validator.pending.values() if owned_elsewhere(p.target_key)]
+        for action_id in gone:
+            self.validator.forget(action_id)
+        return len(gone)
 
     async def handle(self, event: ReceivedEvent) -> None:
         message = event.message
@@ -145,14 +153,16 @@ class ValidatorService:
             token = otel_context.attach(parent)
             try:
                 with tracer.start_as_current_span("validate action", attributes={"sits.action_id": pending.action_id}):
-                    await self._conclude(pending, judgement)
+                    concluded = await self._conclude(pending, judgement)
             finally:
                 otel_context.detach(token)
-            self.validator.forget(pending.action_id)
+            if concluded:
+                self.validator.forget(pending.action_id)
         metrics.PENDING.set(len(self.validator.pending))
         return len(due)
 
-    async def _conclude(self, pending: PendingAction, judgement: Judgement) -> None:
+    async def _conclude(self, pending: PendingAction, judgement: Judgement) -> bool:
+        """Publish and record the verdict; False when it must be tried again later (see the claim)."""
         target = self._targets.get(pending.target_key) or _target_from_key(pending.target_key)
         now = self._clock.now()
         verdict = events_pb2.ValidationVerdict(
@@ -174,6 +184,34 @@ class ValidatorService:
                 threshold=check.threshold,
                 detail=check.detail,
             )
+        if not await self._audit.claim_verdict(pending.action_id, verdict.verdict_id):
+            if await self._audit.verdict_for_action(pending.action_id) is not None:
+                log.info("action %s already has a verdict (another replica's); not judged again", pending.action_id)
+                return True
+            # Claimed and not recorded: another replica is publishing it, or died doing so and its claim runs
+            # out. Keep watching; the next tick tries again.
+            return False
+        try:
+            await self._publish_verdict(pending, judgement, verdict, target, now)
+        except BaseException:
+            await self._audit.unclaim_verdict(pending.action_id, verdict.verdict_id)
+            raise
+        if await self._audit.record_verdict(verdict, pending.target_key, claimed=True):
+            metrics.VERDICTS.labels(kind=pending.kind.lower(), verdict=judgement.outcome.value.lower()).inc()
+            self.live.publish((pending.target_key, verdict))
+            if self.on_verdict is not None:
+                await self.on_verdict(verdict)
+        log.info("verdict %s for action %s", judgement.outcome.value, pending.action_id)
+        return True
+
+    async def _publish_verdict(
+        self,
+        pending: PendingAction,
+        judgement: Judgement,
+        verdict: events_pb2.ValidationVerdict,
+        target: common_pb2.Target,
+        now: float,
+    ) -> None:
         if judgement.outcome is Outcome.ROLLED_BACK:
             rollback = events_pb2.HealingCommand(
                 meta=new_meta(self._source, target, now),
@@ -188,12 +226,6 @@ class ValidatorService:
             verdict.rollback_command_id = rollback.command_id
             metrics.ROLLBACKS.labels(kind=pending.kind.lower()).inc()
         await self._producer.publish(self._topics.validation, verdict)
-        if await self._audit.record_verdict(verdict, pending.target_key):
-            metrics.VERDICTS.labels(kind=pending.kind.lower(), verdict=judgement.outcome.value.lower()).inc()
-            self.live.publish((pending.target_key, verdict))
-            if self.on_verdict is not None:
-                await self.on_verdict(verdict)
-        log.info("verdict %s for action %s", judgement.outcome.value, pending.action_id)
 
     async def run_judge_loop(self, stop: asyncio.Event, tick_s: float = 0.1) -> None:
         while not stop.is_set():

@@ -16,6 +16,16 @@ A MetricBatch record reaches the handler as its samples, one by one (a retry
 replays the whole record; handlers are idempotent on event_id). When a consumer
 lags, metric samples in one poll are coalesced per target (latest wins), so a
 burst costs one handler call per target, not per sample.
+
+Replicas: every service's group uses the range assignor, so partition p of each
+of its topics goes to the same member (the topics share partition count and
+target keys): one replica owns one target on every topic it reads. Offsets are
+committed at most every SITS_CONSUMER_COMMIT_INTERVAL_MS (0: after each batch);
+on revocation the consumer waits for the batch in hand, commits what it handled
+on the revoked partitions, then tells the service (`on_revoked`) so it can hand
+its per-target state over before the next owner starts. `partition_of` is the
+producer's choice of partition for a key, so a service can tell which targets
+it owns.
 """
 
 from __future__ import annotations
@@ -24,13 +34,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from aiokafka.partitioner import murmur2
 from google.protobuf.message import Message
@@ -63,6 +74,15 @@ Header = tuple[str, bytes]
 MAX_CACHED_KEYS = 100_000
 COALESCED_TYPES = frozenset({events_pb2.MetricSample.DESCRIPTOR.full_name})
 SIGNED_TYPES = (events_pb2.HealingCommand,)
+
+
+# How long a revocation waits for the batch in hand before it abandons it (its records come again elsewhere).
+REVOKE_WAIT_S = 10.0
+
+
+def partition_of(key: str, partitions: int) -> int:
+    """The partition the producer writes `key` to (the Java client's murmur2 partitioner)."""
+    return int(murmur2(key.encode()) & 0x7FFFFFFF) % partitions
 
 
 class DeadLetter(Exception):
@@ -198,7 +218,7 @@ class EventProducer:
             self._partition_counts[topic] = count
         if len(self._partitions) > MAX_CACHED_KEYS:
             self._partitions.clear()
-        partition = int(murmur2(key.encode()) & 0x7FFFFFFF) % count
+        partition = partition_of(key, count)
         self._partitions[(topic, key)] = partition
         return partition
 
@@ -222,6 +242,8 @@ class ReceivedEvent:
     # The record's key and value as they came off the wire (what a signature covers).
     record_key: bytes = b""
     record_value: bytes = b""
+    # Read again after an assignment to rebuild state (a forecast window): observe it, act on nothing.
+    replay: bool = False
 
     @property
     def event_type(self) -> str:
@@ -229,6 +251,7 @@ class ReceivedEvent:
 
 
 Handler = Callable[[ReceivedEvent], Awaitable[None]]
+PartitionsChanged = Callable[[set[TopicPartition]], Awaitable[None]]
 
 
 @dataclass
@@ -276,7 +299,15 @@ class EventConsumer:
         dead_letters: EventProducer,
         coalesce: bool = True,
         retry_backoff_s: float = 0.5,
+        on_assigned: PartitionsChanged | None = None,
+        on_revoked: PartitionsChanged | None = None,
+        replay: Mapping[str, int] | None = None,
+        before_commit: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """`replay`: per topic, how many records before the committed offset a newly assigned partition
+        is read again with `ReceivedEvent.replay` set (0 or absent: none). `before_commit`: awaited before
+        each commit (a handler that only enqueued what it produces waits for delivery there); when it
+        raises, nothing is committed and the consumer goes back to its committed offsets."""
         self._settings = settings
         self._topics = list(topics)
         self._handler = handler
@@ -285,8 +316,18 @@ class EventConsumer:
         self._coalesce = coalesce
         self._retry_backoff_s = retry_backoff_s
         self._group_id = group_id
+        self._on_assigned = on_assigned
+        self._on_revoked = on_revoked
+        self._before_commit = before_commit
+        self._replay = dict(replay or {})
+        # Per partition: records below this offset are replayed state, not work (set on assignment).
+        self._replay_until: dict[TopicPartition, int] = {}
+        self._commit_interval_s = settings.consumer_commit_interval_ms / 1000.0
+        # Handled and not yet committed: next offset per partition, and when the last commit went out.
+        self._uncommitted: dict[TopicPartition, int] = {}
+        self._last_commit = time.monotonic()
+        self._handling = asyncio.Lock()
         self._consumer = AIOKafkaConsumer(
-            *self._topics,
             **kafka_client_options(settings),
             group_id=group_id,
             enable_auto_commit=False,
@@ -294,9 +335,12 @@ class EventConsumer:
             max_poll_records=settings.consumer_max_batch,
             fetch_max_wait_ms=settings.consumer_fetch_max_wait_ms,
             # Tansu starts a group quickly; the default 3 s join delay would dominate tests.
-            session_timeout_ms=10_000,
-            heartbeat_interval_ms=1_000,
+            session_timeout_ms=settings.consumer_session_timeout_ms,
+            heartbeat_interval_ms=min(1_000, settings.consumer_session_timeout_ms // 3),
+            # Partition p of every topic to one member: a replica owns a target on all the topics it reads.
+            partition_assignment_strategy=(RangePartitionAssignor,),
         )
+        self._consumer.subscribe(self._topics, listener=_Listener(self))
         self._started = False
         self._metric_children: dict[tuple[int, tuple[str, ...]], Any] = {}
         # Per partition: the write time (ms) of the record the consumer stopped at: the last one of
@@ -312,8 +356,20 @@ class EventConsumer:
     async def stop(self) -> None:
         if self._started:
             self._started = False
+            await self._flush_commits()
             with contextlib.suppress(KafkaError):
                 await self._consumer.stop()
+
+    def assignment(self) -> set[TopicPartition]:
+        """The partitions this member owns now."""
+        return set(self._consumer.assignment())
+
+    def partition_count(self, topic: str) -> int | None:
+        parts = self._consumer.partitions_for_topic(topic)
+        return len(parts) if parts else None
+
+    def owned_partitions(self, topic: str) -> set[int]:
+        return {tp.partition for tp in self._consumer.assignment() if tp.topic == topic}
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -333,16 +389,68 @@ class EventConsumer:
         await self.start()
         while not stop.is_set():
             batches = await self._consumer.getmany(timeout_ms=200, max_records=self._settings.consumer_max_batch)
-            for tp, records in batches.items():
-                await self._handle_partition(tp, records)
+            async with self._handling:
+                owned = self._consumer.assignment()
+                for tp, records in batches.items():
+                    if tp in owned:  # fetched before a revocation: the new owner reads these again
+                        await self._handle_partition(tp, records)
+                if time.monotonic() - self._last_commit >= self._commit_interval_s:
+                    await self._flush_commits()
             await self._export_lag()
+        async with self._handling:
+            await self._flush_commits()
+
+    async def _revoked(self, revoked: set[TopicPartition]) -> None:
+        """Finish the batch in hand (or give up on it after REVOKE_WAIT_S), commit what was handled."""
+        try:
+            await asyncio.wait_for(self._handling.acquire(), REVOKE_WAIT_S)
+        except TimeoutError:
+            log.warning("revocation: the batch in hand did not finish in %.0f s; abandoned", REVOKE_WAIT_S)
+            await self._flush_commits(revoked)
+        else:
+            try:
+                await self._flush_commits(revoked)
+            finally:
+                self._handling.release()
+        for tp in revoked:
+            self._uncommitted.pop(tp, None)
+            self._replay_until.pop(tp, None)
+        if self._on_revoked is not None:
+            await self._on_revoked(revoked)
+
+    async def _assigned(self, assigned: set[TopicPartition]) -> None:
+        if self._on_assigned is not None:
+            await self._on_assigned(assigned)
+        for tp in assigned:
+            depth = self._replay.get(tp.topic, 0)
+            if depth <= 0:
+                continue
+            committed = await self._consumer.committed(tp)
+            if committed:
+                self._replay_until[tp] = committed
+                self._consumer.seek(tp, max(0, committed - depth))
 
     async def _handle_partition(self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]]) -> None:
         decoded: list[tuple[ConsumerRecord[bytes, bytes], Message]] = []
+        replay_until = self._replay_until.get(tp)
         for record in records:
+            if replay_until is not None and record.offset < replay_until:
+                # Dead-lettered already by the previous owner, if it was bad: read it quietly.
+                with contextlib.suppress(EnvelopeError):
+                    decoded.extend((record, m) for m in decode_events(list(record.headers), record.value))
+                continue
             messages = await self._decode_or_dead_letter(record)
             if messages is not None:
                 decoded.extend((record, message) for message in messages)
+        if replay_until is not None:
+            if records[-1].offset + 1 >= replay_until:
+                del self._replay_until[tp]
+            # State only, every sample (no coalescing): the previous owner handled and committed these.
+            for record, message in decoded:
+                if record.offset < replay_until:
+                    with contextlib.suppress(Exception):
+                        await self._handler(self._replay_event(record, message))
+            decoded = [(r, m) for r, m in decoded if r.offset >= replay_until]
         for record, message, folded in self._coalesced(decoded):
             event = ReceivedEvent(
                 topic=record.topic,
@@ -366,13 +474,26 @@ class EventConsumer:
                 self.stats.retries += 1
                 metrics.HANDLER_RETRIES.labels(topic=record.topic).inc()
                 self._reached_ms[tp] = record.timestamp
-                await self._commit(tp, record.offset)
+                self._uncommitted[tp] = record.offset
+                await self._flush_commits({tp})
                 self._consumer.seek(tp, record.offset)
                 await asyncio.sleep(self._retry_backoff_s)
                 return
         if records:
             self._reached_ms[tp] = records[-1].timestamp
-            await self._commit(tp, records[-1].offset + 1)
+            self._uncommitted[tp] = records[-1].offset + 1
+
+    @staticmethod
+    def _replay_event(record: ConsumerRecord[bytes, bytes], message: Message) -> ReceivedEvent:
+        return ReceivedEvent(
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            key=(record.key or b"").decode(errors="replace"),
+            message=message,
+            headers=tuple(record.headers),
+            replay=True,
+        )
 
     def _coalesced(
         self, decoded: list[tuple[ConsumerRecord[bytes, bytes], Message]]
@@ -470,8 +591,31 @@ class EventConsumer:
         metrics.DEAD_LETTERS.labels(topic=record.topic, reason=category).inc()
         log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
 
-    async def _commit(self, tp: TopicPartition, next_offset: int) -> None:
-        await self._consumer.commit({tp: next_offset})
+    async def _flush_commits(self, only: set[TopicPartition] | None = None) -> None:
+        """Commit what was handled (on `only`, or every partition)."""
+        offsets = {tp: o for tp, o in self._uncommitted.items() if only is None or tp in only}
+        self._last_commit = time.monotonic()
+        if not offsets:
+            return
+        if self._before_commit is not None:
+            try:
+                await self._before_commit()
+            except Exception:
+                # What the handled records produced may not have reached the broker: handle them again.
+                log.exception("delivery before commit failed; %d partition(s) go back to their commits", len(offsets))
+                for tp in offsets:
+                    self._uncommitted.pop(tp, None)
+                with contextlib.suppress(KafkaError, AssertionError):
+                    await self._consumer.seek_to_committed(*[tp for tp in offsets if tp in self._consumer.assignment()])
+                return
+        try:
+            await self._consumer.commit(offsets)
+        except KafkaError as error:
+            # The group moved on (a rebalance): the new owner reads these records again; handlers are idempotent.
+            log.warning("commit of %d partition(s) refused (%s); redelivered elsewhere", len(offsets), error)
+        for tp, offset in offsets.items():
+            if self._uncommitted.get(tp) == offset:
+                del self._uncommitted[tp]
 
     async def _export_lag(self) -> None:
         partitions = []
@@ -484,3 +628,14 @@ class EventConsumer:
         for topic, (records, seconds) in lag_by_topic(partitions, time.time()).items():
             metrics.CONSUMER_LAG.labels(topic=topic, group=self._group_id).set(records)
             metrics.CONSUMER_LAG_SECONDS.labels(topic=topic, group=self._group_id).set(seconds)
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, consumer: EventConsumer) -> None:
+        self._consumer = consumer
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._consumer._revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        await self._consumer._assigned(set(assigned))

@@ -73,6 +73,21 @@ class Settings(BaseSettings):
         description="How long a fetch may wait for data. Tansu answers only when this wait ends, so it bounds "
         "reaction time.",
     )
+    consumer_commit_interval_ms: int = Field(
+        0,
+        ge=0,
+        le=60_000,
+        description="Most time between offset commits of a consumer (0: after every batch). Handled offsets "
+        "are always committed on revocation and on stop; a crash redelivers at most this much (handlers are "
+        "idempotent).",
+    )
+    consumer_session_timeout_ms: int = Field(
+        10_000,
+        ge=1000,
+        le=300_000,
+        description="How long the group waits for a consumer that stopped heartbeating (a killed replica) "
+        "before it gives that replica's partitions to the others.",
+    )
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
         description="Redis for leases, idempotency and state: redis://[user[:password]@]host:port/db, or rediss:// "

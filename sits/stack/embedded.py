@@ -9,6 +9,12 @@ generous (a loaded two-core machine takes seconds to import a service) and says
 what it is still waiting for; a service that exits while starting fails the
 start at once, with its log. Stopping it stops every child; nothing is left
 behind.
+
+Replicas: `StackConfig.replicas` runs several processes of a service (decision,
+executor, validator; capture is one per GPU host). They share the service's
+consumer group, so the broker splits the target-keyed partitions among them;
+each has its own gRPC and metrics port. The first keeps the service's name and
+address, the others are `<service>-2`, `<service>-3`, ...
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from sits.stack.procs import ManagedProcess, free_port
 from sits.stack.tansu import TansuBroker
 
 SERVICES = ("capture", "decision", "executor", "validator")
+# Services that scale through a consumer group; capture runs one process per GPU host instead.
+REPLICATED = ("decision", "executor", "validator")
 
 Progress = Callable[[str], None]
 
@@ -64,6 +72,21 @@ class StackConfig:
     # Off only to measure what signing costs (bench/command_signing.py): commands go out unsigned and the
     # executor applies them unchecked (SITS_EXECUTOR_ACCEPT_UNSIGNED), as before signatures existed.
     sign_commands: bool = True
+    # Processes per service (absent: one). Only the services in REPLICATED take more than one.
+    replicas: dict[str, int] = field(default_factory=dict)
+    # Partitions of the topics the stack creates (None: SITS_KAFKA_PARTITIONS's default); the most replicas of
+    # one service that get work is this number.
+    partitions: int | None = None
+
+
+def replica_name(service: str, replica: int) -> str:
+    return service if replica <= 1 else f"{service}-{replica}"
+
+
+def service_of(name: str) -> str:
+    """The service a process name belongs to ("decision-2" -> "decision")."""
+    base, _, number = name.rpartition("-")
+    return base if base and number.isdigit() else name
 
 
 class ServiceExited(RuntimeError):
@@ -127,6 +150,10 @@ class EmbeddedStack:
             executor_addr=f"127.0.0.1:{free_port()}",
             validator_addr=f"127.0.0.1:{free_port()}",
         )
+        if config.partitions is not None:
+            self.settings = self.settings.model_copy(update={"kafka_partitions": config.partitions})
+        # Process name -> its own gRPC address (replicas past the first listen elsewhere).
+        self._addresses: dict[str, str] = {}
 
     def env(self) -> dict[str, str]:
         """The environment every service process gets: one SITS_* name per setting."""
@@ -142,6 +169,7 @@ class EmbeddedStack:
             "SITS_EXECUTOR_ADDR": s.executor_addr,
             "SITS_VALIDATOR_ADDR": s.validator_addr,
             "SITS_SPOOL_DIR": str(self.config.run_dir / "spool"),
+            "SITS_KAFKA_PARTITIONS": str(s.kafka_partitions),
             "PYTHONUNBUFFERED": "1",
         }
         if self.config.sign_commands:
@@ -174,7 +202,26 @@ class EmbeddedStack:
         return Signer(KeyFile(self.command_keys_file))
 
     def address_of(self, service: str) -> str:
-        return str(getattr(self.settings, f"{service}_addr"))
+        """The gRPC address of a process ("decision", "decision-2"); a service's name gives its first."""
+        if service in self._addresses:
+            return self._addresses[service]
+        return str(getattr(self.settings, f"{service_of(service)}_addr"))
+
+    def replica_count(self, service: str) -> int:
+        wanted = self.config.replicas.get(service, 1)
+        return max(1, wanted) if service in REPLICATED else 1
+
+    def replicas_of(self, service: str) -> list[str]:
+        """Names of the running processes of `service`."""
+        return [n for n in self.services if service_of(n) == service]
+
+    async def add_replica(self, service: str) -> ServiceProcess:
+        """Start one more process of a replicated service (it joins the group; the broker rebalances)."""
+        if service not in REPLICATED:
+            raise ValueError(f"{service} does not scale by replicas (one capture per GPU host)")
+        taken = {int(n.rpartition("-")[2]) if n != service else 1 for n in self.replicas_of(service)}
+        replica = next(i for i in range(1, len(taken) + 2) if i not in taken)
+        return await self.start_service(replica_name(service, replica))
 
     async def start(self) -> None:
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
@@ -189,7 +236,8 @@ class EmbeddedStack:
             self.token_file.chmod(0o600)
         if not self.command_keys_file.exists():
             write_key_file(self.command_keys_file, [new_key("embedded-1")])
-        await asyncio.gather(*(self.start_service(name) for name in self.config.services))
+        names = [replica_name(s, r) for s in self.config.services for r in range(1, self.replica_count(s) + 1)]
+        await asyncio.gather(*(self.start_service(name) for name in names))
         self.write_manifest()
 
     def write_manifest(self) -> Path:
@@ -214,13 +262,19 @@ class EmbeddedStack:
         return path
 
     async def start_service(self, name: str) -> ServiceProcess:
-        """Start (or restart) one service and wait until it is SERVING."""
+        """Start (or restart) one service process ("decision", or a replica: "decision-2") and wait until it
+        is SERVING."""
+        service_name = service_of(name)
         metrics_port = free_port()
+        env = {**self.env(), "SITS_METRICS_PORT": str(metrics_port)}
+        if name != service_name:
+            address = self._addresses.setdefault(name, f"127.0.0.1:{free_port()}")
+            env[f"SITS_{service_name.upper()}_ADDR"] = address
         process = ManagedProcess(
             name,
-            [sys.executable, "-m", "sits.cli", name],
+            [sys.executable, "-m", "sits.cli", service_name],
             self.config.run_dir / "logs" / f"{name}.log",
-            env={**self.env(), "SITS_METRICS_PORT": str(metrics_port)},
+            env=env,
         )
         self._progress(f"starting {name}")
         started = time.monotonic()
@@ -230,7 +284,7 @@ class EmbeddedStack:
         try:
             await wait_serving(
                 service.address,
-                f"sits.v1.{name.capitalize()}",
+                f"sits.v1.{service_name.capitalize()}",
                 self.config.start_budget_s,
                 channel_credentials(self.grpc_settings()),
                 alive=process.alive,

@@ -13,7 +13,8 @@ from rich.table import Table
 
 from sits.runtime.redis import RedisUnavailable
 from sits.runtime.secret_files import mask_url
-from sits.stack.embedded import EmbeddedStack, ServiceExited, StackConfig
+from sits.runtime.settings import Settings, load_settings
+from sits.stack.embedded import REPLICATED, EmbeddedStack, ServiceExited, StackConfig
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +24,43 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--redis-password-file", type=Path, default=None, help="file holding the Redis password (AUTH), if it has one"
     )
     parser.add_argument("--for", dest="duration", type=float, default=None, help="stop after this many seconds")
+    parser.add_argument(
+        "--replicas",
+        type=_positive,
+        default=1,
+        help="processes of each of decision, executor and validator (one consumer group each; default 1)",
+    )
+    for service in REPLICATED:
+        parser.add_argument(
+            f"--{service}-replicas", type=_positive, default=None, help=f"processes of {service} (over --replicas)"
+        )
+    parser.add_argument(
+        "--topic-prefix",
+        default="",
+        help="prefix of topic names, consumer groups and Redis keys (keeps stacks that share a Redis apart)",
+    )
+    parser.add_argument(
+        "--partitions",
+        type=_positive,
+        default=None,
+        help="partitions of the topics the stack creates: the most replicas of one service that get work "
+        "(default: SITS_KAFKA_PARTITIONS, 4)",
+    )
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def replicas_from(args: argparse.Namespace) -> dict[str, int]:
+    out = {}
+    for service in REPLICATED:
+        own = getattr(args, f"{service}_replicas", None)
+        out[service] = own if own is not None else args.replicas
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,8 +78,17 @@ async def _up(args: argparse.Namespace, console: Console) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     config = StackConfig(
-        run_dir=args.run_dir.resolve(), redis_url=args.redis_url, redis_password_file=args.redis_password_file
+        run_dir=args.run_dir.resolve(),
+        redis_url=args.redis_url,
+        redis_password_file=args.redis_password_file,
+        topic_prefix=args.topic_prefix,
+        replicas=replicas_from(args),
+        partitions=args.partitions,
     )
+    most = max(config.replicas.values())
+    partitions = config.partitions or load_settings(Settings).kafka_partitions
+    if most > partitions:
+        console.print(f"[yellow]warning:[/] {most} replicas of a service but {partitions} partitions: some stay idle")
     stack = EmbeddedStack(config, progress=lambda msg: console.log(msg))
     with console.status("starting the embedded stack"):
         try:

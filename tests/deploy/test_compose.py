@@ -156,7 +156,15 @@ def test_sits_services_are_wired_alike(services: dict[str, dict[str, Any]]) -> N
             f"sits.v1.{name.capitalize()}",
         ]
         published = services[service["network_mode"].removeprefix("service:")] if "network_mode" in service else service
-        assert f"{port}:{port}" in published["ports"], f"{name}'s gRPC port {port} is not published"
+        replicas = int((service.get("deploy") or {}).get("replicas", 1))
+        if replicas == 1:
+            assert f"{port}:{port}" in published["ports"], f"{name}'s gRPC port {port} is not published"
+        else:
+            # Replicas cannot share a host port: a range with room for each (and for scaling up a little).
+            ranges = [p for p in published["ports"] if p.endswith(f":{port}") and "-" in p.split(":")[0]]
+            assert ranges, f"{name} runs {replicas} replicas: publish its port {port} on a host port range"
+            first, last = (int(x) for x in ranges[0].rsplit(":", 1)[0].split("-"))
+            assert last - first + 1 >= replicas, f"{name}: the host port range is smaller than its replicas"
 
 
 def test_every_sits_variable_on_a_service_is_one_of_its_settings(

@@ -51,6 +51,16 @@ def one(resources: list[Resource], kind: str, name: str) -> Resource:
     return found[0]
 
 
+# Capture runs on every GPU node (a DaemonSet); the consumers are Deployments with replicas.
+WORKLOAD_KINDS = ("Deployment", "DaemonSet")
+
+
+def workload(resources: list[Resource], name: str) -> Resource:
+    found = [r for r in resources if r["kind"] in WORKLOAD_KINDS and r["metadata"]["name"] == f"sits-{name}"]
+    assert len(found) == 1, f"expected one Deployment or DaemonSet sits-{name}, found {len(found)}"
+    return found[0]
+
+
 def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
@@ -70,7 +80,7 @@ def test_every_resource_has_identity(resources: list[Resource]) -> None:
 def test_each_service_has_deployment_service_and_pdb_that_select_its_pods(resources: list[Resource]) -> None:
     settings = config_map(resources)
     for name in SITS_SERVICES:
-        deployment = one(resources, "Deployment", f"sits-{name}")
+        deployment = workload(resources, name)
         service = one(resources, "Service", f"sits-{name}")
         budget = one(resources, "PodDisruptionBudget", f"sits-{name}")
         pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
@@ -78,7 +88,7 @@ def test_each_service_has_deployment_service_and_pdb_that_select_its_pods(resour
         assert matches(service["spec"]["selector"], pod_labels)
         assert matches(budget["spec"]["selector"]["matchLabels"], pod_labels)
         assert ("minAvailable" in budget["spec"]) != ("maxUnavailable" in budget["spec"])
-        if deployment["spec"]["replicas"] > 1:
+        if deployment["spec"].get("replicas", 1) > 1:
             assert budget["spec"].get("minAvailable", 0) >= 1, f"{name}: a budget must keep one replica up"
 
         grpc_port = int(settings[f"SITS_{name.upper()}_ADDR"].rsplit(":", 1)[1])
@@ -104,7 +114,7 @@ def test_settings_are_real_sits_settings(resources: list[Resource]) -> None:
     assert unknown_sits_variables(settings, known) == []
     assert unknown_sits_variables({"SITS_NOT_A_SETTING": "1"}, known) == ["SITS_NOT_A_SETTING"]
     for name in SITS_SERVICES:
-        deployment = one(resources, "Deployment", f"sits-{name}")
+        deployment = workload(resources, name)
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         assert {"configMapRef": {"name": "sits-settings"}} in container["envFrom"]
         env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
@@ -118,7 +128,7 @@ def test_the_token_secret_is_mounted_where_the_setting_points(resources: list[Re
     secret = one(resources, "Secret", "sits-token")
     assert token_file.name in secret["stringData"]
     for name in SITS_SERVICES:
-        pod = one(resources, "Deployment", f"sits-{name}")["spec"]["template"]["spec"]
+        pod = workload(resources, name)["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
         mounts = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == str(token_file.parent)]
         assert len(mounts) == 1 and mounts[0]["readOnly"] is True
@@ -160,14 +170,14 @@ def test_generated_files_match_their_generators() -> None:
 def test_images_are_pinned_by_the_kustomization(kustomization: dict[str, Any], resources: list[Resource]) -> None:
     names = {image["name"] for image in kustomization["images"]}
     for resource in resources:
-        if resource["kind"] == "Deployment":
+        if resource["kind"] in WORKLOAD_KINDS:
             for container in resource["spec"]["template"]["spec"]["containers"]:
                 assert container["image"].split(":")[0] in names
 
 
 def file_settings(resources: list[Resource], name: str) -> dict[str, str]:
     """Every SITS_*_FILE the container of sits-<name> gets (ConfigMap and its own env), with its path."""
-    container = one(resources, "Deployment", f"sits-{name}")["spec"]["template"]["spec"]["containers"][0]
+    container = workload(resources, name)["spec"]["template"]["spec"]["containers"][0]
     values = dict(config_map(resources))
     values.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
     return {k: v for k, v in values.items() if k.startswith(ENV_PREFIX) and k.endswith("_FILE")}
@@ -175,7 +185,7 @@ def file_settings(resources: list[Resource], name: str) -> dict[str, str]:
 
 def mounted_secret_file(resources: list[Resource], name: str, path: str) -> tuple[str, str]:
     """(secret name, key) that `path` is in sits-<name>'s container; fails if no mounted Secret holds it."""
-    pod = one(resources, "Deployment", f"sits-{name}")["spec"]["template"]["spec"]
+    pod = workload(resources, name)["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     for mount in pod["containers"][0]["volumeMounts"]:
         folder = mount["mountPath"].rstrip("/") + "/"

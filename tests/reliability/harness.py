@@ -28,6 +28,7 @@ from aiokafka.errors import KafkaError
 from google.protobuf.message import Message
 
 from services.capture.traces import write_trace
+from services.executor.adapters.redis_state import lease_overlaps as overlaps_in
 from sits.runtime.bus import EventProducer
 from sits.runtime.events import EnvelopeError, Topics, decode_event, decode_events, header_value, new_meta
 from sits.runtime.kafka_security import kafka_options_for
@@ -274,14 +275,19 @@ async def read_topics(bootstrap: str, topics: Iterable[str], timeout_s: float = 
             consumer.assign([tp])
             consumer.seek(tp, 0)
             position = 0
-            while position < ends[tp]:
+            # Tansu 0.6 reports the end of a partition one past the first record of its last batch, not past
+            # its last record, when a producer sent several records in one batch: past `ends`, read on until
+            # a poll comes back empty.
+            while True:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"could not read {tp} to its end ({ends[tp]}) in {timeout_s} s")
                 batches = await consumer.getmany(tp, timeout_ms=200, max_records=5000)
-                for r in batches.get(tp, []):
-                    if r.offset < ends[tp]:
-                        out[tp.topic].append(Record(r.topic, r.partition, r.offset, tuple(r.headers), r.value))
+                got = batches.get(tp, [])
+                for r in got:
+                    out[tp.topic].append(Record(r.topic, r.partition, r.offset, tuple(r.headers), r.value))
                     position = r.offset + 1
+                if not got and position >= ends[tp]:
+                    break
     finally:
         await consumer.stop()
     return out
@@ -402,10 +408,36 @@ async def forget_executor_keys(redis_url: str, engines: Iterable[str], commands:
         for engine in engines:
             ids = await client.zrange(f"{EXECUTOR_REDIS_PREFIX}actions:{engine}", 0, -1)
             keys += [f"{EXECUTOR_REDIS_PREFIX}action:{_text(i)}" for i in ids]
-            keys += [f"{EXECUTOR_REDIS_PREFIX}{kind}:{engine}" for kind in ("actions", "lease", "fence", "pressure")]
+            kinds = ("actions", "lease", "fence", "pressure", "lease-audit", "target-key")
+            keys += [f"{EXECUTOR_REDIS_PREFIX}{kind}:{engine}" for kind in kinds]
         keys += [f"{EXECUTOR_REDIS_PREFIX}{kind}:{c}" for c in commands for kind in ("applied", "digest")]
         for start in range(0, len(keys), 500):
             await client.delete(*keys[start : start + 500])
+    finally:
+        await client.aclose()
+
+
+async def lease_overlaps(redis_url: str, engines: Iterable[str]) -> list[tuple[str, str, str]]:
+    """(engine, holder, holder) for every two holds of one engine's lease that overlapped (Redis's audit)."""
+    client = connect(redis_url)
+    found = []
+    try:
+        for engine in engines:
+            raw = await client.lrange(f"{EXECUTOR_REDIS_PREFIX}lease-audit:{engine}", 0, -1)
+            found += [(engine, a, b) for a, b in overlaps_in([_text(e) for e in raw])]
+    finally:
+        await client.aclose()
+    return found
+
+
+async def lease_grants(redis_url: str, engines: Iterable[str]) -> int:
+    client = connect(redis_url)
+    try:
+        total = 0
+        for engine in engines:
+            raw = await client.lrange(f"{EXECUTOR_REDIS_PREFIX}lease-audit:{engine}", 0, -1)
+            total += sum(1 for e in raw if _text(e).startswith("acquire "))
+        return total
     finally:
         await client.aclose()
 

@@ -547,3 +547,163 @@ async def load_scenario(run_dir: Path, redis_url: str, topic_prefix: str, plan: 
         }
         await h.forget_executor_keys(redis_url, engines, [])
     return figures
+
+
+# ---------------------------------------------------------------------------- replicas
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """Two replicas of each of decision, executor and validator under a burst; one of each killed -9 and one of
+    each added while the burst runs."""
+
+    replicas: int = 2
+    partitions: int = 4
+    samples: int = 4000
+    targets: int = 8
+    ooms: int = 40
+    garbage: int = 12
+    chunks: int = 20
+    chunk_interval_s: float = 0.5
+    first_kill_after_s: float = 2.0
+    kill_every_s: float = 1.5
+    settle_timeout_s: float = 150.0
+    # A killed replica's partitions wait this long for the group to notice; short, so the test is too.
+    session_timeout_ms: int = 6000
+
+
+REPLICATED_SERVICES = ("decision", "executor", "validator")
+
+
+async def replicas_scenario(
+    run_dir: Path, redis_url: str, topic_prefix: str, plan: ReplicaPlan = ReplicaPlan()
+) -> Figures:
+    engines = h.engine_names(topic_prefix, plan.targets + OOM_TARGETS)
+    host = "reliability-host"
+    trace = h.calm_trace(run_dir / "calm.jsonl", host, f"{topic_prefix}capture")
+    config = h.stack_config(
+        run_dir,
+        redis_url,
+        topic_prefix,
+        engines,
+        replay_trace=trace,
+        replay_speed=2.0,
+        extra_env={
+            "SITS_HOST_NAME": host,
+            "SITS_CONSUMER_SESSION_TIMEOUT_MS": str(plan.session_timeout_ms),
+            # INFO: the replicas log their assignments and handovers (read when a figure looks wrong).
+            "SITS_LOG_LEVEL": "INFO",
+        },
+    )
+    config.replicas = dict.fromkeys(REPLICATED_SERVICES, plan.replicas)
+    config.partitions = plan.partitions
+    topics = Topics(topic_prefix)
+    figures: Figures = {}
+    async with EmbeddedStack(config) as stack:
+        rs = h.ReliabilityStack(stack, engines, host, topics)
+        burst_plan = CrashPlan(
+            samples=plan.samples,
+            targets=plan.targets,
+            ooms=plan.ooms,
+            garbage=plan.garbage,
+            chunks=plan.chunks,
+            chunk_interval_s=plan.chunk_interval_s,
+        )
+        sent_ooms: list[str] = []
+        started = time.monotonic()
+        sender = asyncio.create_task(_burst(rs, burst_plan, sent_ooms))
+        await asyncio.sleep(plan.first_kill_after_s)
+        killed: list[str] = []
+        for service in REPLICATED_SERVICES:
+            # The second replica: it owns partitions (the group split them) and holds work in flight.
+            name = stack.replicas_of(service)[-1]
+            stack.services[name].process.kill_hard()
+            killed.append(name)
+            await asyncio.sleep(plan.kill_every_s)
+        added = [s.name for s in await asyncio.gather(*(stack.add_replica(s) for s in REPLICATED_SERVICES))]
+        sent_by_test = await sender
+        burst_s = time.monotonic() - started
+        settle_started = time.monotonic()
+        caught = await h.wait_groups_caught_up(rs, REPLICATED_SERVICES, plan.settle_timeout_s)
+        records, account = await _settled_actions(rs, timeout_s=30.0)
+        verdicts = await _verdicts_settled(rs, account, timeout_s=60.0)
+        records = verdicts.records
+        settle_s = time.monotonic() - settle_started
+        backlog = {
+            s: sum((await h.group_backlog(stack.settings.kafka_bootstrap, rs.group(s), rs.group_topics(s))).values())
+            for s in REPLICATED_SERVICES
+        }
+        inputs = [topics.metrics, topics.oom]
+        sent = sum(len(records[t]) for t in inputs)
+        dead = h.dead_letters_of(records[topics.deadletter], rs.group("decision"), inputs)
+        oom_without_command = [e for e in sent_ooms if len(account.causes.get(e, ())) != 1]
+        oom_not_applied = [e for e in sent_ooms if not (account.causes.get(e, set()) & account.applied_in_topic)]
+        lost = backlog["decision"] + len(oom_without_command) + len(account.without_result)
+        overlaps = await h.lease_overlaps(redis_url, engines)
+        figures = {
+            "sent": sent,
+            "sent_by_test": sent_by_test,
+            "handled": sent - len(dead) - backlog["decision"],
+            "dead_lettered": len(dead),
+            "lost": lost,
+            "duplicates_applied": account.duplicates_applied,
+            "double_leases": len(overlaps),
+            "lease_grants": await h.lease_grants(redis_url, engines),
+            "replicas_killed": len(killed),
+            "replicas_added": len(added),
+            "killed": killed,
+            "added": added,
+            "ooms_sent": len(sent_ooms),
+            "ooms_without_exactly_one_command": len(oom_without_command),
+            "ooms_not_applied": len(oom_not_applied),
+            "commands": len(account.commands),
+            "commands_without_result": len(account.without_result),
+            "applied": len(account.applied_in_topic),
+            "skipped_duplicate": account.count(events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE),
+            "actions_to_judge": verdicts.expected,
+            "verdicts": verdicts.total,
+            "actions_without_verdict": verdicts.missing,
+            "actions_with_several_verdicts": verdicts.repeated,
+            "redis_agrees": set(account.redis_effects) == account.applied_in_topic,
+            "backlog_after": backlog,
+            "burst_s": round(burst_s, 1),
+            "catch_up_s": {k: (round(v, 1) if v is not None else None) for k, v in caught.items()},
+            "settle_s": round(settle_s, 1),
+        }
+        await h.forget_executor_keys(redis_url, engines, account.commands)
+    return figures
+
+
+@dataclass
+class VerdictCount:
+    records: dict[str, list[h.Record]]
+    expected: int
+    total: int
+    missing: int
+    repeated: int
+
+
+async def _verdicts_settled(rs: h.ReliabilityStack, account: h.ActionAccount, timeout_s: float) -> VerdictCount:
+    """Read until every applied action the validator judges has a verdict (or time runs out)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = await h.read_topics(rs.settings.kafka_bootstrap, rs.topics.all())
+        judged: dict[str, int] = {}
+        for r in records[rs.topics.validation]:
+            m = r.message()
+            if isinstance(m, events_pb2.ValidationVerdict):
+                judged[m.action_id] = judged.get(m.action_id, 0) + 1
+        expected: set[str] = set()
+        for r in records[rs.topics.results]:
+            m = r.message()
+            if (
+                isinstance(m, events_pb2.ActionResult)
+                and m.status == events_pb2.ACTION_STATUS_APPLIED
+                and m.kind != events_pb2.ACTION_KIND_ROLLBACK
+            ):
+                expected.add(m.action_id)
+        missing = len(expected - set(judged))
+        if missing == 0 or time.monotonic() > deadline:
+            repeated = sum(1 for n in judged.values() if n > 1)
+            return VerdictCount(records, len(expected), sum(judged.values()), missing, repeated)
+        await asyncio.sleep(2.0)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from services.decision.domain import admission
 from services.decision.domain.admission import AdmitDecision, EngineProfile
@@ -264,6 +265,62 @@ class DecisionEngine:
         )
         state.root_cause_t = oom.t
         return self._apply_rules(state, oom.t, oom.event_id, self._oom_rules, oom)
+
+    def warm(self, sample: Sample) -> None:
+        """A sample read again after this engine took its target over: window and forecast only, no rules
+        (the previous owner acted on it already)."""
+        state = self._state(sample.target)
+        if state.window.offer(sample) is None:
+            state.forecast = self._forecast(state)
+
+    # ------------------------------------------------------------------ handover between replicas
+
+    def hand_over(self, owned_elsewhere: Callable[[str], bool]) -> dict[str, dict[str, Any]]:
+        """Drop the targets whose key `owned_elsewhere` names, returning what the next owner needs of each:
+        rule latches, cooldowns, OOM memory, the controller's state and the commands awaiting a verdict.
+        Windows are not in it: the next owner rebuilds them from the metrics topic (`warm`)."""
+        out: dict[str, dict[str, Any]] = {}
+        for key in [k for k in self._states if owned_elsewhere(k)]:
+            state = self._states.pop(key)
+            gpu_key = state.target.gpu_level().key
+            out[key] = {
+                "target": [state.target.host, state.target.gpu_uuid, state.target.mig_instance, state.target.engine],
+                "latched": dict(state.latched),
+                "pending_clear": list(state.pending_clear),
+                "ooms": state.ooms,
+                "last_oom_t": state.last_oom_t,
+                "budget": budget_to_dict(state.budget),
+                "last_command_t": {k: t for k, t in self._last_command_t.items() if k in (key, gpu_key)},
+                "rule_fired_t": [[rule, t] for (k, rule), t in self._rule_fired_t.items() if k == key],
+                "issued": {
+                    cid: [i.rule, i.clearing, i.controller] for cid, i in self._issued.items() if i.target_key == key
+                },
+            }
+            for fired in [k for k in self._rule_fired_t if k[0] == key]:
+                del self._rule_fired_t[fired]
+            for cid in [c for c, i in self._issued.items() if i.target_key == key]:
+                del self._issued[cid]
+        return out
+
+    def take_over(self, handed: Mapping[str, Mapping[str, Any]]) -> int:
+        """Adopt targets another replica handed over (`hand_over`'s output); returns how many."""
+        rules = {r.name: r for r in self._policy.spec.rules}
+        for key, data in handed.items():
+            host, gpu, mig, engine = (str(x) for x in data["target"])
+            state = self._state(Target(host, gpu, mig, engine))
+            state.latched.update({str(k): float(v) for k, v in data.get("latched", {}).items() if k in rules})
+            state.pending_clear.update({n: rules[n] for n in data.get("pending_clear", []) if n in rules})
+            state.ooms = max(state.ooms, int(data.get("ooms", 0)))
+            state.last_oom_t = max(state.last_oom_t, float(data.get("last_oom_t", -math.inf)))
+            if state.budget.last_sent_t == -math.inf and "budget" in data:
+                state.budget = budget_from_dict(data["budget"])
+            for k, t in data.get("last_command_t", {}).items():
+                self._last_command_t[k] = max(float(t), self._last_command_t.get(k, -math.inf))
+            for rule, t in data.get("rule_fired_t", []):
+                self._rule_fired_t[(key, str(rule))] = float(t)
+            for cid, (rule, clearing, controller) in data.get("issued", {}).items():
+                self._remember(cid, _Issued(key, str(rule), bool(clearing), bool(controller)))
+        return len(handed)
 
     def _bytes_per_token(self, state: _TargetState) -> int | None:
         profile = self._profiles.get(state.target.engine)
@@ -805,6 +862,33 @@ class DecisionEngine:
                 explanation.window, kv_bytes_per_token=self._bytes_per_token(replay._states[key_target.key])
             )
         return EvaluateResult(explanation.forecast, root_cause, tuple(commands))
+
+
+def budget_to_dict(budget: BudgetState) -> dict[str, Any]:
+    """The controller's memory of one engine as JSON-able values (for a handover)."""
+    out: dict[str, Any] = {}
+    for f in fields(budget):
+        value = getattr(budget, f.name)
+        if isinstance(value, Move):
+            value = value.value
+        elif f.name == "history":
+            value = [[t, move.value, b] for t, move, b in value]
+        elif f.name == "rate_mark" and value is not None:
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
+def budget_from_dict(data: Mapping[str, Any]) -> BudgetState:
+    known = {f.name for f in fields(BudgetState)}
+    values = {k: v for k, v in data.items() if k in known}
+    if values.get("last_move") is not None:
+        values["last_move"] = Move(values["last_move"])
+    values["history"] = [(float(t), Move(m), b) for t, m, b in values.get("history", [])]
+    if values.get("rate_mark") is not None:
+        t, n = values["rate_mark"]
+        values["rate_mark"] = (float(t), int(n))
+    return BudgetState(**values)
 
 
 def _retarget(sample: Sample, target: Target) -> Sample:

@@ -10,6 +10,10 @@ Keys (all under `prefix`, default "sits:executor:"):
 - `breaker:<target>:<tier>`  JSON breaker record, expiring when it would read as closed
 - `budget:<target>`       JSON tier budget (limits, lease end, command id), expiring with its lease
 - `pressure:<target>`     the last pressure written
+- `lease-audit:<target>`  every grant and release of the lease, stamped with Redis's own clock
+  (`lease_overlaps` reads it: two executors must never hold one target at once)
+- `target-key:<target>`   the record key of the target's commands (which partition, hence which
+  executor replica, owns it)
 
 Redis errors surface as `StateUnavailable`: the service refuses mutating
 actions then, and leaves the command's offset uncommitted.
@@ -54,13 +58,62 @@ class Lease:
     fencing_token: int
 
 
-# Release only our own lease: compare-and-delete in one step.
+# Take the lease (SET NX PX) with a fresh fencing token, and audit the grant with Redis's clock, the same
+# clock its expiry runs on: an overlap in the audit is a real double hold, not clock skew between executors.
+_ACQUIRE = """
+local token = redis.call('INCR', KEYS[2])
+local value = ARGV[1] .. ':' .. token
+if redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2]) then
+  local t = redis.call('TIME')
+  local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('RPUSH', KEYS[3], 'acquire ' .. value .. ' ' .. ms .. ' ' .. ARGV[2])
+  redis.call('LTRIM', KEYS[3], -tonumber(ARGV[3]), -1)
+  redis.call('PEXPIRE', KEYS[3], ARGV[4])
+  return token
+end
+return -token
+"""
+
+# Release only our own lease: compare-and-delete in one step, audited like the grant.
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
+  local t = redis.call('TIME')
+  local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('RPUSH', KEYS[2], 'release ' .. ARGV[1] .. ' ' .. ms)
+  redis.call('LTRIM', KEYS[2], -tonumber(ARGV[2]), -1)
   return redis.call('DEL', KEYS[1])
 end
 return 0
 """
+
+# The audit keeps this many grants and releases per target, and lives this long after the last one.
+AUDIT_ENTRIES = 20_000
+AUDIT_TTL_MS = 24 * 3600 * 1000
+
+
+def lease_overlaps(entries: list[str]) -> list[tuple[str, str]]:
+    """Pairs of holders whose hold on one target overlapped, from its audit (oldest first).
+
+    A hold runs from its grant to its release, or to grant + TTL when it was never released (its holder
+    crashed and Redis expired the key). Times are Redis's, in ms.
+    """
+    holds: dict[str, list[int]] = {}
+    for entry in entries:
+        parts = entry.split()
+        if parts[0] == "acquire" and len(parts) == 4:
+            start = int(parts[2])
+            holds[parts[1]] = [start, start + int(parts[3])]
+        elif parts[0] == "release" and len(parts) == 3 and parts[1] in holds:
+            holds[parts[1]][1] = min(holds[parts[1]][1], int(parts[2]))
+    ordered = sorted(holds.items(), key=lambda item: item[1][0])
+    overlaps = []
+    latest_end, latest_holder = -1, ""
+    for holder, (start, end) in ordered:
+        if start < latest_end:
+            overlaps.append((latest_holder, holder))
+        if end > latest_end:
+            latest_end, latest_holder = end, holder
+    return overlaps
 
 
 class RedisState:
@@ -68,6 +121,7 @@ class RedisState:
         self._client = client
         self._prefix = prefix
         self._applied_ttl_s = applied_ttl_s
+        self._acquire = client.register_script(_ACQUIRE)
         self._release = client.register_script(_RELEASE)
 
     def _key(self, *parts: str) -> str:
@@ -85,17 +139,47 @@ class RedisState:
         """The target's lease with a fresh fencing token, or LeaseHeld."""
         holder = uuid.uuid4().hex
         try:
-            token = int(await self._client.incr(self._key("fence", target)))
-            value = f"{holder}:{token}"
-            if not await self._client.set(self._key("lease", target), value, nx=True, px=ttl_ms):
-                raise LeaseHeld(f"target {target} is leased by another executor")
+            token = int(
+                await self._acquire(
+                    keys=[self._key("lease", target), self._key("fence", target), self._key("lease-audit", target)],
+                    args=[holder, ttl_ms, AUDIT_ENTRIES, AUDIT_TTL_MS],
+                )
+            )
         except (RedisError, OSError) as error:
             raise StateUnavailable(f"Redis unreachable while taking the lease: {error}") from error
-        return Lease(target=target, holder=value, fencing_token=token)
+        if token < 0:
+            raise LeaseHeld(f"target {target} is leased by another executor")
+        return Lease(target=target, holder=f"{holder}:{token}", fencing_token=token)
+
+    async def lease_audit(self, target: str) -> list[str]:
+        try:
+            raw = await self._client.lrange(self._key("lease-audit", target), 0, -1)
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable: {error}") from error
+        return [_text(r) for r in raw]
+
+    async def remember_target_key(self, target: str, key: str) -> None:
+        try:
+            await self._client.set(self._key("target-key", target), key, ex=self._applied_ttl_s)
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable: {error}") from error
+
+    async def target_keys(self, targets: list[str]) -> dict[str, str]:
+        """The record key each target's commands came with (targets never commanded are absent)."""
+        if not targets:
+            return {}
+        try:
+            raws = await self._client.mget([self._key("target-key", t) for t in targets])
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable: {error}") from error
+        return {t: _text(r) for t, r in zip(targets, raws, strict=True) if r is not None}
 
     async def release_lease(self, lease: Lease) -> None:
         try:
-            await self._release(keys=[self._key("lease", lease.target)], args=[lease.holder])
+            await self._release(
+                keys=[self._key("lease", lease.target), self._key("lease-audit", lease.target)],
+                args=[lease.holder, AUDIT_ENTRIES],
+            )
         except (RedisError, OSError):
             # It expires on its own; a failed release only delays the next holder.
             return

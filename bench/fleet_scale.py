@@ -1,0 +1,340 @@
+"""fleet_scale: the simulated fleet (sits/fleet) through capture's publisher → Kafka → decision replicas.
+
+    .venv/bin/python -m bench.fleet_scale [--targets 500 2000 5000] [--replicas 1 2 4] [--measure-s 20]
+
+Real parts: Tansu, the decision service as 1, 2 or 4 processes of one consumer group (started as `sits up
+--decision-replicas N` starts them) over 8 partitions, one executor, Redis. The simulator (this process)
+replays the recorded H200 traces, shifted and mixed, at 10 Hz per target through CapturePublisher.
+
+Per run (a fresh stack for each targets x replicas):
+- samples_per_s: samples published during the measured window that the decision group committed by the end of
+  the run, per second of window (what the pipeline carried; the lag says whether it kept up).
+- decision_lag_p99_ms: a sample's record handed to the producer → the decision group's committed offset
+  past it (committed offsets polled every 50 ms; a record not committed when the run ends counts as
+  lagging until then).
+- decision_cpu_cores / cpu_us_per_sample: CPU seconds of all decision processes over the window (from
+  /proc), per second and per sample committed.
+- reaction_p99_ms: probe targets (served by the executor) jump from 50% to 99.9% of memory once each during
+  the window; the sample's production time → the executor's APPLIED result (`applied_at`) for the
+  command it caused: heads to OOM → action live, through the loaded partitions.
+Writes bench/results/fleet_scale.json; per-run figures under `runs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import yaml
+from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from google.protobuf.message import Message
+
+from bench.common import quantile, write_result
+from services.capture.publisher import CapturePublisher, TopicEnsuringProducer
+from services.capture.spool import Spool
+from services.decision.main import DEFAULT_POLICY_FILE
+from sits.fleet.sim import Fleet, TraceFrames, load_frames, trace_paths
+from sits.runtime.events import Topics, new_meta, seconds
+from sits.runtime.kafka_security import kafka_options_for
+from sits.stack.embedded import EmbeddedStack, StackConfig
+from sits.v1 import common_pb2, events_pb2
+from tests.reliability import harness as h
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+COMMAND = ".venv/bin/python -m bench.fleet_scale"
+PARTITIONS = 8
+HZ = 10.0
+GIB = 1 << 30
+# The default policy (forecast, fragmentation, co-tenant and OOM rules: what the fleet's traces should meet), plus
+# one rule for the probes, above every recorded trace's peak (99.5%): its SET_PRESSURE needs only the pressure
+# file, so the probes' actions go live without an engine or Envoy.
+PROBE_RULE = {
+    "name": "probe-pressure",
+    "when": {"memory_fraction_above": 0.997},
+    "then": [{"kind": "SET_PRESSURE", "pressure": 0.8}],
+}
+PROBE_FRACTION = 0.999
+
+
+def fleet_policy() -> str:
+    policy = yaml.safe_load(DEFAULT_POLICY_FILE.read_text())
+    # First: on a probe it claims the target before the forecast rule (which would need a real engine) can.
+    policy["rules"].insert(0, PROBE_RULE)
+    return str(yaml.safe_dump(policy, sort_keys=False))
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / 100.0
+
+
+@dataclass
+class Sent:
+    partition: int
+    offset: int
+    at: float
+    samples: int
+
+
+@dataclass
+class Recorder:
+    """Capture's producer, recording where each metrics record landed and when it was handed over."""
+
+    settings: Any
+    metrics_topic: str
+    sent: list[Sent] = field(default_factory=list)
+
+    def factory(self) -> Any:
+        recorder = self
+
+        class Recording(TopicEnsuringProducer):
+            async def enqueue(self, topic: str, message: Message, *, traced: bool = True) -> asyncio.Future[Any]:
+                at = time.time()
+                future = await super().enqueue(topic, message, traced=traced)
+                if topic == recorder.metrics_topic:
+                    n = len(message.samples) if isinstance(message, events_pb2.MetricBatch) else 1
+
+                    def done(f: asyncio.Future[Any]) -> None:
+                        if not f.cancelled() and f.exception() is None:
+                            meta = f.result()
+                            recorder.sent.append(Sent(meta.partition, meta.offset, at, n))
+
+                    future.add_done_callback(done)
+                return future
+
+        return Recording(self.settings)
+
+
+async def poll_commits(
+    bootstrap: str, group: str, topic: str, stop: asyncio.Event
+) -> list[tuple[float, dict[int, int]]]:
+    admin = AIOKafkaAdminClient(**kafka_options_for(bootstrap))
+    await admin.start()
+    parts = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+    out: list[tuple[float, dict[int, int]]] = []
+    try:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                offsets = await admin.list_consumer_group_offsets(group, partitions=parts)
+                out.append((time.time(), {tp.partition: (m.offset if m else -1) for tp, m in offsets.items()}))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.05)
+    finally:
+        await admin.close()
+    return out
+
+
+def committed_at(sent: Sent, polls: list[tuple[float, dict[int, int]]]) -> float | None:
+    lo, hi = 0, len(polls)
+    while lo < hi:  # first poll whose committed offset is past the record (offsets only grow)
+        mid = (lo + hi) // 2
+        if polls[mid][1].get(sent.partition, -1) > sent.offset:
+            hi = mid
+        else:
+            lo = mid + 1
+    return polls[lo][0] if lo < len(polls) else None
+
+
+def probe_sample(target: common_pb2.Target, fraction: float, sequence: int) -> events_pb2.MetricSample:
+    sample = events_pb2.MetricSample(meta=new_meta("capture/probe", target, time.time()), sequence=sequence)
+    sample.gpu.total_bytes = 80 * GIB
+    sample.gpu.used_bytes = int(fraction * 80 * GIB)
+    return sample
+
+
+async def one_run(
+    frames: list[TraceFrames],
+    targets: int,
+    replicas: int,
+    measure_s: float,
+    warm_s: float,
+    work: Path,
+    max_batch: int = 5000,
+) -> dict[str, Any]:
+    prefix = f"f{uuid.uuid4().hex[:10]}."
+    topics = Topics(prefix)
+    probes = [
+        common_pb2.Target(host="probe-host", gpu_uuid=f"GPU-probe-{i}", engine=f"{prefix}probe-{i}")
+        for i in range(int(measure_s * 2))
+    ]
+    run_dir = work / f"t{targets}-r{replicas}"
+    run_dir.mkdir(parents=True)
+    (run_dir / "policy.yaml").write_text(fleet_policy())
+    env = {
+        "SITS_DECISION_POLICY_FILE": str(run_dir / "policy.yaml"),
+        "SITS_EXECUTOR_TARGETS": json.dumps(
+            {p.engine: {"engine_addr": "127.0.0.1:9", "control_addr": "127.0.0.1:9"} for p in probes}
+        ),
+        "SITS_ENVOY_PRESSURE_FILE": str(run_dir / "pressure"),
+        "SITS_LOG_LEVEL": "WARNING",
+        "SITS_NVML_ENABLED": "false",
+        # A capture publishes ~1 sample per record at 10 Hz, so a consumer's records per poll bound its rate:
+        # the sizing rule in docs/fleet.md (500, the default, caps a replica near 10k samples/s here).
+        "SITS_CONSUMER_MAX_BATCH": str(max_batch),
+    }
+    config = StackConfig(
+        run_dir=run_dir,
+        redis_url=REDIS_URL,
+        topic_prefix=prefix,
+        services=("decision", "executor"),
+        replicas={"decision": replicas},
+        partitions=PARTITIONS,
+        extra_env=env,
+    )
+    fleet = Fleet(frames, targets, hz=HZ)
+    async with EmbeddedStack(config) as stack:
+        recorder = Recorder(stack.settings, topics.metrics)
+        publisher = CapturePublisher(recorder.factory, Spool(run_dir / "spool", fsync="never"), topics)
+        stop = asyncio.Event()
+        pub = asyncio.create_task(publisher.run(stop))
+        sim = asyncio.create_task(fleet.run(publisher, stop))
+        for seq in range(1, 21):  # calm history for every probe, then the fleet settles in (group joins)
+            for p in probes:
+                publisher.submit(probe_sample(p, 0.5, seq))
+            await asyncio.sleep(warm_s / 20)
+        poll_stop = asyncio.Event()
+        poller = asyncio.create_task(
+            poll_commits(stack.settings.kafka_bootstrap, f"{prefix}sits-decision", topics.metrics, poll_stop)
+        )
+        pids = [stack.services[n].process.pid for n in stack.replicas_of("decision")]
+        cpu0 = sum(cpu_seconds(p) for p in pids)
+        sim_cpu0 = time.process_time()
+        window_start = time.time()
+        probe_at: dict[str, float] = {}
+        for i, p in enumerate(probes):
+            sample = probe_sample(p, PROBE_FRACTION, 100)
+            probe_at[p.engine] = seconds(sample.meta.produced_at)
+            publisher.submit(sample)
+            await asyncio.sleep(max(0.0, window_start + (i + 1) * measure_s / len(probes) - time.time()))
+        window_end = time.time()
+        cpu1 = sum(cpu_seconds(p) for p in pids)
+        sim_cpu = time.process_time() - sim_cpu0
+        stop.set()
+        await asyncio.gather(sim, pub)
+        await asyncio.sleep(10.0)  # let the group commit what it has, and the last probes' actions land
+        poll_stop.set()
+        polls = await poller
+        records = await h.read_topics(stack.settings.kafka_bootstrap, [topics.results, topics.commands])
+    lags: list[float] = []
+    committed_in_window = 0
+    end = polls[-1][0] if polls else window_end
+    for s in recorder.sent:
+        done = committed_at(s, polls)
+        if window_start <= s.at < window_end:
+            lags.extend([(done if done is not None else end) - s.at] * s.samples)
+        if done is not None and window_start <= s.at < window_end:
+            committed_in_window += s.samples
+    reactions = []
+    for r in records[topics.results]:
+        m = r.message()
+        if isinstance(m, events_pb2.ActionResult) and m.status == events_pb2.ACTION_STATUS_APPLIED:
+            t0 = probe_at.get(m.meta.target.engine)
+            if t0 is not None:
+                reactions.append(seconds(m.applied_at) - t0)
+    window = window_end - window_start
+    decision_cpu = cpu1 - cpu0
+    commands = [m for r in records[topics.commands] if isinstance(m := r.message(), events_pb2.HealingCommand)]
+    figures = {
+        "targets": targets,
+        "replicas": replicas,
+        "offered_samples_per_s": targets * HZ,
+        "simulated_samples_per_s": round(fleet.stats.rate(time.monotonic()), 1),
+        "samples_per_s": round(committed_in_window / window, 1),
+        "decision_lag_p50_ms": round(quantile(lags, 0.5) * 1000, 1),
+        "decision_lag_p99_ms": round(quantile(lags, 0.99) * 1000, 1),
+        "decision_cpu_cores": round(decision_cpu / window, 3),
+        "cpu_us_per_sample": round(decision_cpu / max(1, committed_in_window) * 1e6, 2),
+        "cpu_core_pct_per_1000_targets": round(decision_cpu / window * 100 / (targets / 1000), 2),
+        "simulator_cpu_cores": round(sim_cpu / window, 3),
+        "probes": len(probes),
+        "probes_applied": len(reactions),
+        # None: no probe's action went live before the run ended.
+        "reaction_p50_ms": round(quantile(reactions, 0.5) * 1000, 1) if reactions else None,
+        "reaction_p99_ms": round(quantile(reactions, 0.99) * 1000, 1) if reactions else None,
+        # Commands the fleet's own traces caused (those heading to OOM cross the rule), over the whole run.
+        "commands": len(commands),
+        "late_ticks": fleet.stats.late_ticks,
+        "in_incident": fleet.in_incident(),
+        "heading_to_oom": fleet.heading_to_oom(),
+        "window_s": round(window, 1),
+        # This machine is shared: its load during the run says how far the figures are its own.
+        "load_avg_1m": round(os.getloadavg()[0], 1),
+    }
+    print(json.dumps(figures), flush=True)
+    await h.forget_executor_keys(REDIS_URL, [p.engine for p in probes], [])
+    return figures
+
+
+async def run_all(targets: list[int], replicas: list[int], measure_s: float, warm_s: float) -> list[dict[str, Any]]:
+    frames = [load_frames(p, HZ) for p in trace_paths()]
+    out = []
+    with tempfile.TemporaryDirectory(prefix="sits-fleet-") as tmp:
+        for n in targets:
+            for r in replicas:
+                out.append(await one_run(frames, n, r, measure_s, warm_s, Path(tmp)))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", type=int, nargs="+", default=[500, 2000, 5000])
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--measure-s", type=float, default=20.0)
+    parser.add_argument("--warm-s", type=float, default=15.0)
+    args = parser.parse_args()
+    runs = asyncio.run(run_all(args.targets, args.replicas, args.measure_s, args.warm_s))
+
+    def at(n: int, r: int) -> dict[str, Any] | None:
+        return next((x for x in runs if x["targets"] == n and x["replicas"] == r), None)
+
+    top = max(args.targets)
+    one, four = at(top, min(args.replicas)), at(top, max(args.replicas))
+    biggest = [x for x in runs if x["targets"] == top]
+    figures = {
+        "targets_max": top,
+        "replicas_max": max(args.replicas),
+        "samples_per_s_max": max(x["samples_per_s"] for x in runs),
+        "cpu_per_sample_ratio_4_over_1": round(four["cpu_us_per_sample"] / one["cpu_us_per_sample"], 3)
+        if one and four
+        else None,
+        f"decision_lag_p99_ms_{top}_targets": max(x["decision_lag_p99_ms"] for x in biggest),
+        f"reaction_p99_ms_{top}_targets": None
+        if any(x["reaction_p99_ms"] is None for x in biggest)
+        else max(x["reaction_p99_ms"] for x in biggest),
+        "cpu_core_pct_per_1000_targets": one["cpu_core_pct_per_1000_targets"] if one else None,
+    }
+    path = write_result(
+        "fleet_scale",
+        command=f"{COMMAND} --targets {' '.join(map(str, args.targets))} "
+        f"--replicas {' '.join(map(str, args.replicas))} --measure-s {args.measure_s:g}",
+        figures=figures,
+        baseline={"offered_samples_per_s_max": top * HZ, "partitions": PARTITIONS, "hz_per_target": HZ},
+        goal={"cpu_per_sample_ratio_4_over_1": 1.3, f"reaction_p99_ms_{top}_targets": 150},
+        notes="One run per targets x replicas, each on a fresh stack; the simulator, Tansu, every decision replica "
+        "and the executor share this machine's cores with other work. Lag and reaction figures are the worst "
+        f"over the replica counts at {top} targets; CPU per 1,000 targets is the single replica's at {top}.",
+        extra={"runs": runs},
+    )
+    print(f"wrote {path}")
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""A simulated fleet of GPUs publishing through capture's own publisher (`sits fleet`)."""
