@@ -48,6 +48,7 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from bench.common import quantile, write_result
 from sits.demo.paths import EngineShape, Served, start_baseline, start_engines, start_sits
 from sits.demo.timeline import Timeline, oscillations
+from sits.results import RESULTS
 from sits.runtime.events import Topics
 from sits.runtime.tap import TopicTap
 from sits.stack.vllm_engine import make_random_llama
@@ -63,6 +64,8 @@ MAX_BACKOFF_S = 1.6
 # A client pauses between requests: vLLM delays a request sent the instant the previous one on a connection
 # finished by ~250 ms (seen direct, without Envoy), which would swamp the unloaded baseline.
 THINK_S = 0.25
+# Variant name -> CPUs the engines get (0: all).
+VARIANTS = {"full": 0, "half_cpu": 1}
 REFUSED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
@@ -274,10 +277,16 @@ async def run_variant(args: argparse.Namespace, cpus: int, workdir: Path) -> dic
     }
 
 
+def is_variant_key(key: str, variant: str, suffix: str) -> bool:
+    if variant == "full":
+        return not any(key.endswith(f"_{other}") for other in VARIANTS if other != "full")
+    return key.endswith(suffix)
+
+
 async def run(args: argparse.Namespace) -> None:
     results: dict[str, dict[str, Any]] = {}
     for variant in args.variants.split(","):
-        cpus = {"full": 0, "half_cpu": 1}[variant]
+        cpus = VARIANTS[variant]
         workdir = Path(tempfile.mkdtemp(prefix=f"sits-bench-overload-{variant}-"))
         print(f"== variant {variant} (logs in {workdir})", flush=True)
         results[variant] = await run_variant(args, cpus, workdir)
@@ -289,10 +298,19 @@ async def run(args: argparse.Namespace) -> None:
 def record(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
     figures: dict[str, Any] = {}
     details: dict[str, Any] = {}
+    # A run of one variant keeps the other variant's figures from the last run (each says when).
+    previous = RESULTS / "overload.json"
+    if previous.exists():
+        kept = json.loads(previous.read_text())
+        for variant, detail in kept.get("detail", {}).items():
+            if variant not in results:
+                suffix = "" if variant == "full" else f"_{variant}"
+                figures.update({k: v for k, v in kept["figures"].items() if is_variant_key(k, variant, suffix)})
+                details[variant] = {**detail, "measured_at": detail.get("measured_at", kept.get("measured_at"))}
     for variant, result in results.items():
         suffix = "" if variant == "full" else f"_{variant}"
         figures.update({f"{k}{suffix}": v for k, v in result["figures"].items()})
-        details[variant] = result["detail"]
+        details[variant] = {**result["detail"], "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     baseline = {}
     for variant, detail in details.items():
         suffix = "" if variant == "full" else f"_{variant}"

@@ -65,6 +65,8 @@ class EngineShape:
             extra_args=extra,
             log_path=log_path,
             cpus=self.cpus,
+            # Two engines start at once; one pinned to a single CPU of a busy host took over 180 s.
+            startup_timeout_s=600.0 if self.cpus else 300.0,
         )
 
 
