@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
-from sits.stack.vllm_engine import VllmServer, make_random_llama
+from sits.stack.vllm_engine import VllmOpenAIServer, VllmServer, make_random_llama
 from sits.v1 import common_pb2, decision_pb2_grpc
 from sits_mesh.envoy_process import EnvoyProcess
 from sits_mesh.ext_proc import AdmissionProcessor, DecisionAdmitter, ExtProcServer, FilePressure
@@ -41,6 +41,17 @@ async def mesh_engine(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator
         max_num_batched_tokens=1024,
         extra_args=("--max-logprobs", "100"),
         log_path=log,
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+async def openai_engine(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmOpenAIServer]:
+    """vLLM's OpenAI server through the SITS launcher, for one module at a time (never beside `mesh_engine`)."""
+    model = make_random_llama()
+    log = tmp_path_factory.mktemp("openai-vllm") / "vllm.log"
+    async with VllmOpenAIServer(
+        model, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=1024, log_path=log, startup_timeout_s=300
     ) as server:
         yield server
 
