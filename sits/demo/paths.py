@@ -68,6 +68,8 @@ class EngineShape:
             extra_args=extra,
             log_path=log_path,
             cpus=self.cpus,
+            # A busy shared machine has taken over 180 s to start one.
+            startup_timeout_s=600.0,
         )
 
 
