@@ -19,6 +19,8 @@ UPPER_BOUND_HINTS = (
     "lost",
     "duplicates",
     "ratio_with_sits",
+    # P0 TTFT p99 with SITS over without: lower is better.
+    "with_over_without",
     "max_rel_error",
     "added",
     "forged_commands_applied",

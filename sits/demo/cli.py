@@ -17,6 +17,10 @@ run. Everything started is stopped, whatever happens.
 client load: capture replays it as the local engine, and the actions land on
 the live engine and Envoy.
 
+`--protocol http` runs the same demo on the OpenAI-compatible HTTP path: vLLM's
+OpenAI server (the SITS launcher on the SITS side), Envoy's HTTP routes with the
+JSON admission, and streaming chat completions as the load.
+
 `--gpu` runs the GPU demo instead (scenarios/h200_vllm, also `make demo-gpu`): on
 a machine with one NVIDIA GPU and vLLM installed, real vLLM dies of a CUDA OOM
 without SITS and lives with it, and a report with a plot per scenario is written.
@@ -36,13 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from sits.demo.live import render
-from sits.demo.load import LoadDriver, LoadShape, one_request, ramp
+from sits.demo.load import LoadDriver, LoadShape, RequestOutcome, one_http_request, one_request, ramp
 from sits.demo.paths import EngineShape, Served, start_baseline, start_engines, start_sits
 from sits.demo.report import PhaseWindow, summarize, write_report
 from sits.demo.timeline import Timeline, oscillations
@@ -52,7 +57,7 @@ from sits.runtime.events import Topics
 from sits.runtime.redis import RedisUnavailable
 from sits.runtime.tap import TopicTap
 from sits.stack.embedded import ServiceExited
-from sits.stack.vllm_engine import make_random_llama
+from sits.stack.vllm_engine import SERVED_MODEL_NAME, make_random_llama
 
 DEMO_POLICY = Path(__file__).resolve().parent / "demo_policy.yaml"
 # Request sizes of the demo's clients (tokens): prompts and generations of a chat-like mix.
@@ -75,6 +80,8 @@ class DemoConfig:
     replay: Path | None = None
     replay_speed: float = 1.0
     record: bool = True
+    # "grpc": vLLM's gRPC Generate; "http": its OpenAI-compatible server (chat completions).
+    protocol: str = "grpc"
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +95,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay-speed", type=float, default=1.0, help="replay speed factor (default 1)")
     parser.add_argument(
         "--no-record", action="store_true", help="do not write bench/results/demo_run.json for this run"
+    )
+    parser.add_argument(
+        "--protocol",
+        choices=("grpc", "http"),
+        default="grpc",
+        help="the engine API the clients use: vLLM's gRPC Generate (default) or its OpenAI HTTP API",
     )
     parser.add_argument(
         "--gpu",
@@ -110,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
         peak_factor=args.peak,
         replay=args.replay.resolve() if args.replay else None,
         replay_speed=args.replay_speed,
-        record=not args.no_record and args.replay is None,
+        # demo_run.json records the gRPC demo; an HTTP run reports without replacing it.
+        record=not args.no_record and args.replay is None and args.protocol == "grpc",
+        protocol=args.protocol,
     )
     console = Console()
     try:
@@ -132,6 +147,10 @@ class Demo:
         self.windows: list[PhaseWindow] = []
         self.objective_s = _objective(DEMO_POLICY)
 
+    @property
+    def _api(self) -> str:
+        return "openai" if self.config.protocol == "http" else "grpc"
+
     def step(self, message: str) -> None:
         self.console.log(message)
 
@@ -148,7 +167,7 @@ class Demo:
         async with contextlib.AsyncExitStack() as stack:
             self.step("[1/7] making a random-weight Llama-shaped model (cached after the first run)")
             model = await asyncio.to_thread(make_random_llama)
-            shape = EngineShape(max_num_seqs=self.config.max_num_seqs, kv_blocks=self.config.kv_blocks)
+            shape = EngineShape(max_num_seqs=self.config.max_num_seqs, kv_blocks=self.config.kv_blocks, api=self._api)
             what = "two vLLM engines (CPU): one as it ships, one" if with_baseline else "vLLM (CPU)"
             self.step(f"[2/7] starting {what} with the SITS scheduler, each {shape.kv_blocks} KV blocks")
             engines = await start_engines(stack, model, shape, logs, baseline=with_baseline, sits=True)
@@ -197,14 +216,25 @@ class Demo:
         self.step("[4/7] measuring what the engine serves (closed loop, straight to vLLM)")
         done = 0
         deadline = time.monotonic() + seconds
-        async with grpc.aio.insecure_channel(engine_addr) as channel:
-            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        prompt, new_tokens = sum(PROMPT_TOKENS) // 2, sum(MAX_TOKENS) // 2
+        async with contextlib.AsyncExitStack() as resources:
+            if self._api == "openai":
+                http = await resources.enter_async_context(httpx.AsyncClient(base_url=f"http://{engine_addr}"))
+
+                async def one() -> RequestOutcome:
+                    return await one_http_request(http, SERVED_MODEL_NAME, "P0", prompt, new_tokens)
+
+            else:
+                channel = await resources.enter_async_context(grpc.aio.insecure_channel(engine_addr))
+                stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+                async def one() -> RequestOutcome:
+                    return await one_request(stub, "P0", prompt, new_tokens)
 
             async def worker() -> None:
                 nonlocal done
                 while time.monotonic() < deadline:
-                    outcome = await one_request(stub, "P0", sum(PROMPT_TOKENS) // 2, sum(MAX_TOKENS) // 2)
-                    done += outcome.ok
+                    done += (await one()).ok
 
             began = time.monotonic()
             await asyncio.gather(*(worker() for _ in range(self.config.max_num_seqs // 2)))
@@ -214,7 +244,7 @@ class Demo:
         base = capacity * 0.5
         rate = ramp(base, self.config.peak_factor * capacity / base, seconds * RAMP_SHARE, seconds)
         shape = LoadShape(rate=rate, prompt_tokens=PROMPT_TOKENS, max_tokens=MAX_TOKENS)
-        driver = self.driver = LoadDriver(path.address, shape, max_in_flight=96)
+        driver = self.driver = LoadDriver(path.address, shape, max_in_flight=96, api=self._api, model=SERVED_MODEL_NAME)
         driver.on_outcome = lambda outcome: self.timeline.on_request(outcome, path.name)
         began = time.monotonic()
         start_t = began - self.timeline.started_mono
@@ -279,7 +309,10 @@ class Demo:
             f"the whole demo took {took_s:.0f} s; logs are in {out / 'logs'} and {out / 'stack' / 'logs'}"
         )
         if self.config.replay is None:
-            title = f"SITS demo: vLLM on the CPU under {self.config.peak_factor:g}x load, without and with SITS"
+            over = "its OpenAI HTTP API" if self._api == "openai" else "gRPC"
+            title = (
+                f"SITS demo: vLLM on the CPU ({over}) under {self.config.peak_factor:g}x load, without and with SITS"
+            )
         else:
             title = f"SITS demo: memory replayed from {self.config.replay.name} onto a live engine"
         page = write_report(self.timeline, out, title, self.notes, self.windows, self.objective_s)

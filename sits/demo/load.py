@@ -1,22 +1,28 @@
-"""Inference load of mixed priority against vLLM's gRPC API (through Envoy or direct).
+"""Inference load of mixed priority against vLLM's gRPC API or its OpenAI HTTP API (through Envoy or direct).
 
 Open-loop arrivals at a rate that follows a schedule (requests per second over
-time), each request a streaming `Generate` carrying its tier in the
-`x-sits-priority` metadata. In-flight requests are capped so the driver itself
-stays bounded when the server stops answering.
+time), each request a streaming `Generate` (or, on the HTTP path, a streaming
+chat completion) carrying its tier in the `x-sits-priority` header. In-flight
+requests are capped so the driver itself stays bounded when the server stops
+answering. HTTP answers are recorded under the gRPC status names the report
+counts: 429 and an admission refusal as RESOURCE_EXHAUSTED, 503 as UNAVAILABLE.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
 import random
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
+import httpx
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 PRIORITY_HEADER = "x-sits-priority"
@@ -101,9 +107,81 @@ async def one_request(
     return RequestOutcome(priority, started, ttft, time.monotonic(), tokens, "OK")
 
 
+# The HTTP path's prompts: words the served tokenizer knows, about one token each.
+_WORDS = ("memory", "engine", "token", "stream", "cache", "queue")
+
+
+def http_status(code: int, body: bytes) -> str:
+    """An HTTP answer under the gRPC status name the report counts it by."""
+    if code == 200:
+        return "OK"
+    if code == 429 or (code == 400 and b"sits_kv_admission" in body):
+        return "RESOURCE_EXHAUSTED"
+    if code == 503:
+        return "UNAVAILABLE"
+    return f"HTTP_{code}"
+
+
+async def one_http_request(
+    client: httpx.AsyncClient,
+    model: str,
+    priority: str,
+    prompt_tokens: int,
+    max_tokens: int,
+    timeout_s: float = 60.0,
+) -> RequestOutcome:
+    """One streaming chat completion; TTFT at the first event that carries content."""
+    started = time.monotonic()
+    ttft: float | None = None
+    tokens = 0
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": " ".join(random.choice(_WORDS) for _ in range(prompt_tokens))}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    try:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=body, headers={PRIORITY_HEADER: priority.lower()}, timeout=timeout_s
+        ) as response:
+            if response.status_code != 200:
+                text = await response.aread()
+                status = http_status(response.status_code, text)
+                return RequestOutcome(priority, started, None, time.monotonic(), 0, status, text[:300].decode())
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                with contextlib.suppress(ValueError, LookupError, TypeError, AttributeError):
+                    event = json.loads(line[6:])
+                    if event.get("usage"):
+                        tokens = int(event["usage"]["completion_tokens"])
+                    delta = event["choices"][0]["delta"] if event.get("choices") else {}
+                    # The first event names the role only; a token's text may be empty (a special token).
+                    if "content" in delta and "role" not in delta:
+                        ttft = time.monotonic() - started if ttft is None else ttft
+    except httpx.HTTPError as err:
+        return RequestOutcome(priority, started, ttft, time.monotonic(), tokens, "UNAVAILABLE", str(err)[:300])
+    return RequestOutcome(priority, started, ttft, time.monotonic(), tokens, "OK")
+
+
 class LoadDriver:
-    def __init__(self, address: str, shape: LoadShape, max_in_flight: int = 96, seed: int = 7) -> None:
+    """`api="openai"` drives the HTTP path (chat completions for `model`), else vLLM's gRPC `Generate`."""
+
+    def __init__(
+        self,
+        address: str,
+        shape: LoadShape,
+        max_in_flight: int = 96,
+        seed: int = 7,
+        api: str = "grpc",
+        model: str = "",
+    ) -> None:
         self._address = address
+        self._api = api
+        self._model = model
         self._shape = shape
         self._max_in_flight = max_in_flight
         self._random = random.Random(seed)
@@ -124,8 +202,17 @@ class LoadDriver:
         stop = stop or asyncio.Event()
         began = time.monotonic()
         tasks: set[asyncio.Task[None]] = set()
-        async with grpc.aio.insecure_channel(self._address) as channel:
-            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        async with contextlib.AsyncExitStack() as resources:
+            if self._api == "openai":
+                limits = httpx.Limits(
+                    max_connections=self._max_in_flight, max_keepalive_connections=self._max_in_flight
+                )
+                stub: Any = await resources.enter_async_context(
+                    httpx.AsyncClient(base_url=f"http://{self._address}", limits=limits)
+                )
+            else:
+                channel = await resources.enter_async_context(grpc.aio.insecure_channel(self._address))
+                stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
             for _ in itertools.count():
                 elapsed = time.monotonic() - began
                 if elapsed >= duration_s or stop.is_set():
@@ -145,15 +232,16 @@ class LoadDriver:
                 await asyncio.wait(tasks, timeout=60)
         return self.outcomes
 
-    async def _issue(self, stub: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    async def _issue(self, stub: Any) -> None:
         self.in_flight += 1
         try:
-            outcome = await one_request(
-                stub,
-                self._pick_priority(),
-                self._random.randint(*self._shape.prompt_tokens),
-                self._random.randint(*self._shape.max_tokens),
-            )
+            priority = self._pick_priority()
+            prompt_tokens = self._random.randint(*self._shape.prompt_tokens)
+            max_tokens = self._random.randint(*self._shape.max_tokens)
+            if self._api == "openai":
+                outcome = await one_http_request(stub, self._model, priority, prompt_tokens, max_tokens)
+            else:
+                outcome = await one_request(stub, priority, prompt_tokens, max_tokens)
         finally:
             self.in_flight -= 1
         self.outcomes.append(outcome)

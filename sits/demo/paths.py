@@ -29,7 +29,7 @@ import yaml
 from services.decision.domain.kv_model import known_model
 from sits.stack.embedded import EmbeddedStack, StackConfig
 from sits.stack.procs import ManagedProcess, free_port
-from sits.stack.vllm_engine import VllmServer
+from sits.stack.vllm_engine import VllmOpenAIServer, VllmServer
 from sits_mesh.envoy_process import EnvoyProcess
 from sits_mesh.policy import MeshPolicy, load_policy
 
@@ -53,10 +53,13 @@ class EngineShape:
     max_num_batched_tokens: int = 1024
     # Run the engine on this many CPUs only (taskset), to see the loop on a slower machine; 0: all.
     cpus: int = 0
+    # "grpc": vLLM's gRPC server; "openai": its OpenAI-compatible HTTP server (the HTTP path).
+    api: str = "grpc"
 
     def server(self, model: Path, log_path: Path, sits: bool) -> VllmServer:
         extra: tuple[str, ...] = ("--num-gpu-blocks-override", str(self.kv_blocks))
-        return VllmServer(
+        kind = VllmOpenAIServer if self.api == "openai" else VllmServer
+        return kind(
             model,
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -87,9 +90,29 @@ class Served:
         return self.envoy.address
 
 
-def mesh_policy(engine_port: int, workdir: Path, admission_port: int | None, max_model_len: int) -> MeshPolicy:
+def engine_policy_fields(engine: VllmServer) -> dict[str, Any]:
+    """The mesh policy's engine API for this engine: the HTTP path for vLLM's OpenAI server."""
+    if not isinstance(engine, VllmOpenAIServer):
+        return {}
+    http = {
+        "models": [engine.served_model_name],
+        "tokenizer_path": str(engine.model_dir / "tokenizer.json"),
+        "max_model_len": engine.max_model_len,
+    }
+    return {"engine_api": "openai", "http": http}
+
+
+def mesh_policy(
+    engine_port: int,
+    workdir: Path,
+    admission_port: int | None,
+    max_model_len: int,
+    engine_fields: dict[str, Any] | None = None,
+) -> MeshPolicy:
     """The shipped mesh policy on loopback ports, sized for the random Llama; admission off without a port."""
     shipped = load_policy(MESH_POLICY)
+    if engine_fields:
+        shipped = MeshPolicy.model_validate({**shipped.model_dump(mode="json"), **engine_fields})
     admission: dict[str, Any] = {
         "enabled": admission_port is not None,
         "port": admission_port or shipped.admission.port,
@@ -123,7 +146,9 @@ async def start_engines(
 
 
 async def start_baseline(stack: contextlib.AsyncExitStack, engine: VllmServer, workdir: Path) -> Served:
-    policy = mesh_policy(engine.port, workdir / "envoy-baseline", None, engine.max_model_len)
+    policy = mesh_policy(
+        engine.port, workdir / "envoy-baseline", None, engine.max_model_len, engine_policy_fields(engine)
+    )
     envoy = await stack.enter_async_context(EnvoyProcess(policy, workdir=workdir / "envoy-baseline"))
     return Served("without SITS", engine, envoy)
 
@@ -142,7 +167,9 @@ async def start_sits(
     embedded = EmbeddedStack(StackConfig(run_dir=workdir / "stack", topic_prefix=""), progress=progress)
     processor_port = free_port()
     processor_metrics_port = free_port()
-    policy = mesh_policy(engine.port, workdir / "envoy", processor_port, engine.max_model_len)
+    policy = mesh_policy(
+        engine.port, workdir / "envoy", processor_port, engine.max_model_len, engine_policy_fields(engine)
+    )
     policy_file = workdir / "mesh-policy.yaml"
     policy_file.parent.mkdir(parents=True, exist_ok=True)
     policy_file.write_text(yaml.safe_dump(policy.model_dump(mode="json")))
@@ -186,7 +213,8 @@ async def start_sits(
         # KV bytes per token of the served model: admission answers in bytes, and the processor's bypass
         # (no inspection while one request of the engine's largest size fits twice over) needs them.
         "SITS_DECISION_ENGINE_MODELS": json.dumps({ENGINE: MODEL}),
-        "SITS_VALIDATOR_ENGINES": json.dumps({ENGINE: engine.address}),
+        # The validator's health probe speaks vLLM's gRPC; an HTTP engine is judged by its other probes.
+        "SITS_VALIDATOR_ENGINES": json.dumps({} if isinstance(engine, VllmOpenAIServer) else {ENGINE: engine.address}),
         "SITS_VALIDATOR_ENVOY_ADMIN_URL": envoy.admin_url,
         "SITS_VALIDATOR_ADMISSION_METRICS_URL": metrics_url,
         # Tansu answers a fetch only when its wait ends: at the default 10 ms every consumer polls 100

@@ -49,11 +49,23 @@ LOWEST_TIER = 2
 TIER_HEADER = "x-sits-priority"
 
 
-def _tier_prefix(request_id: str) -> int | None:
+# vLLM's OpenAI server names a request "cmpl-<X-Request-Id>..." or "chatcmpl-<X-Request-Id>..."; the SITS
+# OpenAI launcher (`vllm_plugin.openai_launcher`) writes the tier into X-Request-Id, so it follows these.
+OPENAI_ID_PREFIXES = ("chatcmpl-", "cmpl-")
+
+
+def _leading_tier(request_id: str) -> int | None:
     prefix = request_id[:3].lower()
     if len(prefix) == 3 and prefix[2] in "-_:" and prefix[:2] in PRIORITY_PREFIXES:
         return PRIORITY_PREFIXES[prefix[:2]]
     return None
+
+
+def _tier_prefix(request_id: str) -> int | None:
+    for server_prefix in OPENAI_ID_PREFIXES:
+        if request_id.startswith(server_prefix):
+            return _leading_tier(request_id[len(server_prefix) :])
+    return _leading_tier(request_id)
 
 
 def priority_tier_of_request_id(request_id: str) -> int:
@@ -75,7 +87,7 @@ def retag_request_id(request_id: str, tier_name: str) -> str:
     tier = tier_name.strip().lower()
     if tier not in PRIORITY_PREFIXES:
         raise ValueError(f"unknown tier {tier_name!r}")
-    bare = request_id[3:] if _tier_prefix(request_id) is not None else request_id
+    bare = request_id[3:] if _leading_tier(request_id) is not None else request_id
     return f"{tier}-{bare}"
 
 

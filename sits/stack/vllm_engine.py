@@ -54,13 +54,17 @@ _MODEL_SHAPE: dict[str, Any] = {
 
 
 def make_random_llama(directory: Path = DEFAULT_MODEL_CACHE, seed: int = 0) -> Path:
-    """Write (once) a random-weight Llama to `directory` and return it.
+    """Write (once) a random-weight Llama and its tokenizer to `directory` and return it.
 
     Written into a sibling temporary folder and renamed into place, so several
-    processes that ask at once never see a half-written model.
+    processes that ask at once never see a half-written model. The tokenizer
+    (`sits.stack.tokenizer`, for the OpenAI server's text prompts) is added to a
+    model cached before it existed.
     """
+    from sits.stack.tokenizer import make_tokenizer
+
     if (directory / "config.json").exists() and any(directory.glob("*.safetensors")):
-        return directory
+        return make_tokenizer(directory, _MODEL_SHAPE["vocab_size"], _MODEL_SHAPE["max_position_embeddings"])
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -79,7 +83,7 @@ def make_random_llama(directory: Path = DEFAULT_MODEL_CACHE, seed: int = 0) -> P
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    return directory
+    return make_tokenizer(directory, _MODEL_SHAPE["vocab_size"], _MODEL_SHAPE["max_position_embeddings"])
 
 
 class VllmServerError(RuntimeError):
@@ -243,3 +247,75 @@ class VllmServer:
             os.killpg(process.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=5)
+
+
+SITS_OPENAI_LAUNCHER = "services.executor.vllm_plugin.openai_launcher"
+VLLM_OPENAI_LAUNCHER = "vllm.entrypoints.openai.api_server"
+SERVED_MODEL_NAME = "sits-random-llama"
+
+
+class VllmOpenAIServer(VllmServer):
+    """vLLM's OpenAI-compatible HTTP server on the same engine settings: `base_url` is its `/v1`.
+
+    With the SITS scheduler (the default) it starts through the SITS OpenAI launcher
+    (`vllm_plugin.openai_launcher`: X-Request-Id carries the tier Envoy routed by); with
+    `scheduler_cls=None` it is vLLM's own server, the baseline.
+    """
+
+    def __init__(self, model_dir: Path, *, served_model_name: str = SERVED_MODEL_NAME, **kwargs: Any) -> None:
+        super().__init__(model_dir, **kwargs)
+        self.served_model_name = served_model_name
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.address}/v1"
+
+    def command(self) -> list[str]:
+        pin = ["taskset", "-c", f"0-{self.cpus - 1}" if self.cpus > 1 else "0"] if self.cpus else []
+        args = [
+            *pin,
+            sys.executable,
+            "-m",
+            SITS_OPENAI_LAUNCHER if self.scheduler_cls else VLLM_OPENAI_LAUNCHER,
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
+            "--enforce-eager",
+            "--enable-chunked-prefill",
+            # One line per request would flood the log under load.
+            "--disable-uvicorn-access-log",
+        ]
+        if self.scheduler_cls:
+            args += ["--scheduler-cls", self.scheduler_cls, "--scheduling-policy", "priority"]
+        return args + list(self.extra_args)
+
+    async def _wait_healthy(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + self.startup_timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self._process is not None and self._process.poll() is not None:
+                    raise VllmServerError(
+                        f"vLLM exited with {self._process.returncode} during start-up; "
+                        f"log: {self.log_path}\n{self.log_tail()}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    reply = await client.get(f"http://{self.address}/v1/models")
+                    if reply.status_code == 200:
+                        return
+                await asyncio.sleep(0.5)
+        raise VllmServerError(
+            f"vLLM not serving after {self.startup_timeout_s} s; log: {self.log_path}\n{self.log_tail()}"
+        )

