@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,20 @@ from sits_mesh.policy import Endpoint, MeshPolicy, Overload
 from tests.executor.engine_streams import run_stream, start_streams
 
 pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+async def own_engine(random_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmServer]:
+    """An engine of this module's own, as the session's is built (plugin, priority policy).
+
+    On the session's shared engine the preemption test failed only after the other executor
+    tests had run (its state polls never saw the P2 streams that ran); alone or after any one
+    of those modules it passed. Until that is understood, the test that counts preemptions
+    gets an engine nothing else has touched.
+    """
+    log_path = tmp_path_factory.mktemp("vllm-priority") / "vllm.log"
+    async with VllmServer(random_llama_dir, max_num_seqs=32, max_model_len=512, log_path=log_path) as server:
+        yield server
 
 
 async def engine_state(address: str) -> dict[str, Any]:
@@ -41,17 +56,27 @@ async def until(predicate, address: str, timeout_s: float = 60.0) -> dict[str, A
 
 
 async def test_a_p0_request_preempts_the_newest_lowest_tier_request_when_the_running_set_is_full(
-    engine_limits_restored: VllmServer,
+    own_engine: VllmServer,
 ) -> None:
-    engine = engine_limits_restored
+    engine = own_engine
     assert engine.control_address
     start = await engine_state(engine.control_address)
     assert start["engine"]["policy"] == "priority", "the engine must run vLLM's priority policy"
     async with EngineControlClient(engine.control_address, timeout_s=30) as control:
         await control.set_limits({"max_num_running_reqs": 2})
-    channel, lows = await start_streams(engine.address, 4, prompt_len=24, max_tokens=480, prefix="p2-full")
+    # Ten P2 streams behind a cap of two keep the engine full for five rounds of 400 tokens: a window
+    # of seconds even on a fast, idle host, where four streams could drain between two state polls.
+    channel, lows = await start_streams(engine.address, 10, prompt_len=24, max_tokens=400, prefix="p2-full")
     try:
-        full = await until(lambda s: s["running"] == 2 and s["waiting"] >= 2, engine.control_address)
+        try:
+            full = await until(lambda s: s["running"] == 2 and s["waiting"] >= 2, engine.control_address)
+        except AssertionError as err:
+            streams = [
+                repr(t.exception()) if t.exception() else (len(t.result().tokens), t.result().finish_reason)
+                for t in lows
+                if t.done()
+            ]
+            raise AssertionError(f"{err}; P2 streams: {streams}") from None
         assert full["tiers"]["2"]["running"] == 2 and full["tiers"]["2"]["waiting"] >= 2
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         began = time.monotonic()
@@ -59,14 +84,14 @@ async def test_a_p0_request_preempts_the_newest_lowest_tier_request_when_the_run
         took = time.monotonic() - began
         assert len(p0.tokens) == 4
         after = await engine_state(engine.control_address)
-        # vLLM alone would keep it waiting until a P2 stream finished its 300 tokens.
+        # vLLM alone would keep it waiting until a P2 stream finished its 400 tokens.
         assert after["p0_preemptions"] > start["p0_preemptions"], f"no preemption for P0; state after: {after}"
         assert after["tiers"]["2"]["preemptions"] > full["tiers"]["2"]["preemptions"]
         assert after["tiers"]["0"]["scheduled"] == start["tiers"]["0"]["scheduled"] + 1
         assert took < 60
         # The P2 streams were preempted, not dropped: each still gets all its tokens.
         outcomes = await asyncio.wait_for(asyncio.gather(*lows), timeout=240)
-        assert [len(o.tokens) for o in outcomes] == [480] * 4
+        assert [len(o.tokens) for o in outcomes] == [400] * 10
     finally:
         for task in lows:
             task.cancel()
