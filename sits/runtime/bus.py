@@ -449,19 +449,11 @@ class EventConsumer:
             for record, message in decoded:
                 if record.offset < replay_until:
                     with contextlib.suppress(Exception):
-                        await self._handler(self._replay_event(record, message))
+                        await self._handler(self._received(record, message, replay=True))
             decoded = [(r, m) for r, m in decoded if r.offset >= replay_until]
         for record, message, folded in self._coalesced(decoded):
-            event = ReceivedEvent(
-                topic=record.topic,
-                partition=record.partition,
-                offset=record.offset,
-                key=(record.key or b"").decode(errors="replace"),
-                message=message,
-                headers=tuple(record.headers),
-                coalesced=folded,
-                record_key=record.key or b"",
-                record_value=record.value or b"",
+            event = self._received(
+                record, message, coalesced=folded, record_key=record.key or b"", record_value=record.value or b""
             )
             try:
                 await self._handle_traced(event)
@@ -484,7 +476,7 @@ class EventConsumer:
             self._uncommitted[tp] = records[-1].offset + 1
 
     @staticmethod
-    def _replay_event(record: ConsumerRecord[bytes, bytes], message: Message) -> ReceivedEvent:
+    def _received(record: ConsumerRecord[bytes, bytes], message: Message, **extra: Any) -> ReceivedEvent:
         return ReceivedEvent(
             topic=record.topic,
             partition=record.partition,
@@ -492,7 +484,7 @@ class EventConsumer:
             key=(record.key or b"").decode(errors="replace"),
             message=message,
             headers=tuple(record.headers),
-            replay=True,
+            **extra,
         )
 
     def _coalesced(

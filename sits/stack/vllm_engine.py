@@ -134,10 +134,12 @@ class VllmServer:
     def control_address(self) -> str | None:
         return f"127.0.0.1:{self.control_port}" if self.control_port else None
 
+    def _cpu_pin(self) -> list[str]:
+        return ["taskset", "-c", f"0-{self.cpus - 1}" if self.cpus > 1 else "0"] if self.cpus else []
+
     def command(self) -> list[str]:
-        pin = ["taskset", "-c", f"0-{self.cpus - 1}" if self.cpus > 1 else "0"] if self.cpus else []
         args = [
-            *pin,
+            *self._cpu_pin(),
             sys.executable,
             "-m",
             SITS_GRPC_LAUNCHER if self.scheduler_cls else VLLM_GRPC_LAUNCHER,
@@ -271,9 +273,8 @@ class VllmOpenAIServer(VllmServer):
         return f"http://{self.address}/v1"
 
     def command(self) -> list[str]:
-        pin = ["taskset", "-c", f"0-{self.cpus - 1}" if self.cpus > 1 else "0"] if self.cpus else []
         args = [
-            *pin,
+            *self._cpu_pin(),
             sys.executable,
             "-m",
             SITS_OPENAI_LAUNCHER if self.scheduler_cls else VLLM_OPENAI_LAUNCHER,

@@ -307,8 +307,7 @@ class AdmissionProcessor:
                             reason=f"the request body exceeds {MAX_BODY_BYTES >> 20} MiB and is not inspected",
                         )
                     )
-                    self.counters.refuse(message)
-                    SHED_REQUESTS.labels(priority=priority, reason="kv_admission").inc()
+                    self._count_kv_refusal(message, priority)
                     yield local_reply(GRPC_RESOURCE_EXHAUSTED, StatusCode.TooManyRequests, message)
                     return
                 if not (frame_complete(body) or request.end_of_stream):
@@ -324,19 +323,29 @@ class AdmissionProcessor:
                     yield _continue_body()
                     continue
                 body.clear()
-                verdict = await self._verdict(AdmissionQuery(shape.prompt_tokens, shape.max_tokens, priority))
-                if verdict.admitted:
-                    self.counters.admitted += 1
+                refusal = await self._admission_refusal(shape.prompt_tokens, shape.max_tokens, priority)
+                if refusal is None:
                     yield _continue_body()
                 else:
-                    message = refusal_message(verdict)
-                    self.counters.refuse(message)
-                    SHED_REQUESTS.labels(priority=priority, reason="kv_admission").inc()
-                    yield local_reply(GRPC_RESOURCE_EXHAUSTED, StatusCode.TooManyRequests, message)
+                    yield local_reply(GRPC_RESOURCE_EXHAUSTED, StatusCode.TooManyRequests, refusal)
                     return
             else:
                 # Trailers or response phases are not requested; answer nothing we were not asked.
                 continue
+
+    async def _admission_refusal(self, prompt_tokens: int, max_tokens: int, priority: PriorityName) -> str | None:
+        """Ask admission about one request on either API; the readable reason when it is refused."""
+        verdict = await self._verdict(AdmissionQuery(prompt_tokens, max_tokens, priority))
+        if verdict.admitted:
+            self.counters.admitted += 1
+            return None
+        message = refusal_message(verdict)
+        self._count_kv_refusal(message, priority)
+        return message
+
+    def _count_kv_refusal(self, message: str, priority: PriorityName) -> None:
+        self.counters.refuse(message)
+        SHED_REQUESTS.labels(priority=priority, reason="kv_admission").inc()
 
     async def process_openai(
         self, requests: AsyncIterator[ExtProcRequest], context: Any
@@ -391,16 +400,12 @@ class AdmissionProcessor:
                 self.counters.refuse(err.message)
                 yield http_reply(err.status, f"sits_{err.code}", err.message)
                 return
-            verdict = await self._verdict(AdmissionQuery(shape.prompt_tokens, shape.max_tokens, priority))
-            if verdict.admitted:
-                self.counters.admitted += 1
+            refusal = await self._admission_refusal(shape.prompt_tokens, shape.max_tokens, priority)
+            if refusal is None:
                 yield _continue_body()
             else:
-                message = refusal_message(verdict)
-                self.counters.refuse(message)
-                SHED_REQUESTS.labels(priority=priority, reason="kv_admission").inc()
                 # 400, not 429: retrying the same prompt at once would be refused the same way.
-                yield http_reply(400, "sits_kv_admission", message)
+                yield http_reply(400, "sits_kv_admission", refusal)
             return
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
