@@ -255,7 +255,9 @@ class Run:
                 enforce_eager=True,
                 # Without SITS the plugin only observes: vLLM's own FCFS order, no limit ever set.
                 priority=mode == "with",
-                env={},
+                # vLLM's warm-up can leave GiBs cached in the allocator; the step that should die then
+                # runs from that cache (the re-run of 2026-12-04). Both modes start with it emptied.
+                env={} if a.keep_warmup_cache else {"SITS_ENGINE_EMPTY_CACHE_AT_START": "1"},
             ),
             self.logs / f"{tag}-engine.log",
             self.work,
@@ -505,6 +507,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drain-s", type=float, default=90.0, help="how long requests may take after the load ends")
     p.add_argument("--tail-s", type=float, default=2.0)
     p.add_argument("--engine-timeout-s", type=float, default=300.0)
+    p.add_argument(
+        "--keep-warmup-cache",
+        action="store_true",
+        help="leave what vLLM's warm-up cached in the allocator (default: emptied once the engine is built)",
+    )
     p.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")
     p.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
     return p.parse_args(argv)

@@ -4,7 +4,10 @@ Loaded by vLLM inside the EngineCore process with
 `--scheduler-cls services.executor.vllm_plugin.scheduler.SitsScheduler`.
 When `SITS_ENGINE_CONTROL_ADDR` (host:port) is set, it serves the
 engine-control endpoint (see `sits.runtime.engine_control`)
-from a background thread.
+from a background thread. `SITS_ENGINE_EMPTY_CACHE_AT_START=1` gives the
+caching allocator's unused blocks back to the device once the engine is built
+(after vLLM's warm-up): the H200 scenarios use it so that a step larger than
+any before it asks the device, as after a sleep/wake cycle.
 
 Scheduling mode. vLLM picks `AsyncScheduler` when async scheduling is on (the
 default where the executor supports it) and plain `Scheduler` otherwise; a
@@ -118,6 +121,11 @@ class SitsScheduler(Scheduler):
         self._p0_preemptions = 0
         self._tier_stats = TierStats()
         self._allocator = AllocatorReading()
+        if os.environ.get("SITS_ENGINE_EMPTY_CACHE_AT_START", "") in ("1", "true"):
+            # The scheduler is built after vLLM's warm-up; what the warm-up left cached would let a
+            # squeeze scenario's big step run from the cache instead of the device.
+            self._allocator.release_cache()
+        logger.info("SITS allocator at start: %s", self._allocator.read() or "no CUDA")
         # Tiers order the queue only under vLLM's priority policy; under FCFS a P0 could not overtake
         # the queue even after a preemption, so the plugin does not preempt for it there.
         self._by_priority = str(getattr(self.scheduler_config, "policy", "fcfs")) == "priority"
@@ -443,6 +451,19 @@ class AllocatorReading:
             # The device's free memory at the same moment, so that free + reusable is one snapshot.
             "device_free_bytes": int(free),
         }
+
+    def release_cache(self) -> None:
+        """Give the allocator's unused cached blocks back to the device (`torch.cuda.empty_cache`)."""
+        if self._available is None:
+            self._available = self._probe()
+        if self._available:
+            before = self.read()
+            self._cuda.empty_cache()
+            logger.info(
+                "SITS released the allocator's cache: reserved %s -> %s bytes",
+                before.get("reserved_bytes"),
+                self.read().get("reserved_bytes"),
+            )
 
     def _probe(self) -> bool:
         try:
