@@ -77,10 +77,20 @@ class AdminApi:
         return await asyncio.to_thread(_http, method, f"{self.admin_url}{path}", timeout_s)
 
     async def runtime_modify(self, values: dict[str, int | float | str]) -> None:
+        if not values:
+            return
         query = urllib.parse.urlencode({k: str(v) for k, v in values.items()})
         status, body = await self.admin("POST", f"/runtime_modify?{query}")
         if status != 200:
             raise EnvoyError(f"runtime_modify {values} answered {status}: {body}")
+
+    async def runtime(self) -> dict[str, str]:
+        """Every runtime key Envoy knows, with its final (layered) value."""
+        status, body = await self.admin("GET", "/runtime")
+        if status != 200:
+            raise EnvoyError(f"/runtime answered {status}: {body[:200]}")
+        entries = json.loads(body).get("entries", {})
+        return {key: str(entry.get("final_value", "")) for key, entry in entries.items()}
 
     async def stats(self, filter_regex: str | None = None) -> dict[str, int]:
         """Counters and gauges (histograms left out), by full stat name."""
