@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from scenarios.h200_oom.files import wait_for_file, write_json
-from sits.stack.procs import ManagedProcess, free_port, port_open
+from sits.runtime.procs import ManagedProcess, free_port, port_open
 from sits.stack.tansu import TansuBroker
 
 log = logging.getLogger("h200_oom.run")

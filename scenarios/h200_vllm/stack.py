@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sits.stack.procs import ManagedProcess, free_port, port_open
+from sits.runtime.procs import ManagedProcess, free_port, port_open
 from sits.stack.tansu import TansuBroker
 
 REPO = Path(__file__).resolve().parents[2]

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from sits.stack.procs import free_port
+from sits.runtime.procs import astop_group, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_CACHE = REPO_ROOT / ".cache" / "sits-random-llama"
@@ -240,15 +239,7 @@ class VllmServer:
         if process is None:
             return
         self._process = None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            await asyncio.to_thread(process.wait, grace_s)
-        # The EngineCore may outlive its parent briefly: sweep the group either way.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=5)
+        await astop_group(process, grace_s)
 
 
 SITS_OPENAI_LAUNCHER = "services.executor.vllm_plugin.openai_launcher"

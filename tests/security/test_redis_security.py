@@ -21,12 +21,12 @@ from sits.runtime.bus import EventProducer, ensure_topics
 from sits.runtime.events import Topics, new_meta
 from sits.runtime.grpcserver import bearer_metadata
 from sits.runtime.kafka_security import kafka_client_options
+from sits.runtime.procs import free_port
 from sits.runtime.redis import RedisUnavailable, check_redis, connect, connect_with
 from sits.runtime.secret_files import mask_url
 from sits.runtime.settings import Settings
 from sits.runtime.signing import Signer, new_key, write_key_file
 from sits.stack.embedded import wait_serving
-from sits.stack.procs import free_port
 from sits.stack.tansu import TansuBroker
 from sits.v1 import common_pb2, events_pb2, executor_pb2_grpc
 from sits_mesh.pressure import read_pressure

@@ -3,7 +3,7 @@
 `async with EnvoyProcess(policy) as envoy:` renders the policy into a temporary
 folder (listener and admin on free loopback ports unless the policy fixes
 them), starts `envoy`, waits until admin `/ready` answers 200, and on exit
-stops it (SIGTERM, then SIGKILL after a grace period). `stop()` is safe to call
+stops it (`sits.runtime.procs.astop_group`: SIGTERM, then SIGKILL after a grace period). `stop()` is safe to call
 twice. The stack tooling and the executor's tests reuse it.
 """
 
@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from sits.stack.procs import free_port
+from sits.runtime.procs import astop_group, free_port
 from sits_mesh.envoy_config import render_bootstrap_yaml
 from sits_mesh.policy import Endpoint, MeshPolicy, Overload
 from sits_mesh.pressure import read_pressure, write_pressure
@@ -233,14 +231,7 @@ class EnvoyProcess(AdminApi):
         if process is None:
             return
         self._process = None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            await asyncio.to_thread(process.wait, grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            await asyncio.to_thread(process.wait, 5)
+        await astop_group(process, grace_s)
         if self._owned_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
