@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -137,18 +138,26 @@ class VllmServer:
         return ["taskset", "-c", f"0-{self.cpus - 1}" if self.cpus > 1 else "0"] if self.cpus else []
 
     def command(self) -> list[str]:
+        launcher = SITS_GRPC_LAUNCHER if self.scheduler_cls else VLLM_GRPC_LAUNCHER
+        return self._launch_argv(launcher, serving=["--skip-tokenizer-init"])
+
+    def _launch_argv(self, launcher: str, *, naming: Sequence[str] = (), serving: Sequence[str] = ()) -> list[str]:
+        """`python -m launcher` on the model with the engine settings every server here shares.
+
+        `naming` follows the model (the name it is served as), `serving` the shared settings (the server's own).
+        """
         args = [
             *self._cpu_pin(),
             sys.executable,
             "-m",
-            SITS_GRPC_LAUNCHER if self.scheduler_cls else VLLM_GRPC_LAUNCHER,
+            launcher,
             "--model",
             str(self.model_dir),
+            *naming,
             "--host",
             "127.0.0.1",
             "--port",
             str(self.port),
-            "--skip-tokenizer-init",
             "--max-model-len",
             str(self.max_model_len),
             "--max-num-seqs",
@@ -158,6 +167,7 @@ class VllmServer:
             "--enforce-eager",
             # The prefill chunk cap needs chunked prefill; the CPU build leaves it to us.
             "--enable-chunked-prefill",
+            *serving,
         ]
         if self.scheduler_cls:
             args += ["--scheduler-cls", self.scheduler_cls, "--scheduling-policy", "priority"]
@@ -264,33 +274,12 @@ class VllmOpenAIServer(VllmServer):
         return f"http://{self.address}/v1"
 
     def command(self) -> list[str]:
-        args = [
-            *self._cpu_pin(),
-            sys.executable,
-            "-m",
+        return self._launch_argv(
             SITS_OPENAI_LAUNCHER if self.scheduler_cls else VLLM_OPENAI_LAUNCHER,
-            "--model",
-            str(self.model_dir),
-            "--served-model-name",
-            self.served_model_name,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--max-model-len",
-            str(self.max_model_len),
-            "--max-num-seqs",
-            str(self.max_num_seqs),
-            "--max-num-batched-tokens",
-            str(self.max_num_batched_tokens),
-            "--enforce-eager",
-            "--enable-chunked-prefill",
+            naming=["--served-model-name", self.served_model_name],
             # One line per request would flood the log under load.
-            "--disable-uvicorn-access-log",
-        ]
-        if self.scheduler_cls:
-            args += ["--scheduler-cls", self.scheduler_cls, "--scheduling-policy", "priority"]
-        return args + list(self.extra_args)
+            serving=["--disable-uvicorn-access-log"],
+        )
 
     async def _wait_healthy(self) -> None:
         import httpx
