@@ -41,7 +41,7 @@ import yaml  # noqa: E402
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc  # noqa: E402
 
 from bench.common import median, quantile, write_result  # noqa: E402
-from sits.stack.procs import free_port  # noqa: E402
+from sits.runtime.procs import free_port  # noqa: E402
 from sits.stack.vllm_engine import VllmServer, make_random_llama  # noqa: E402
 from sits_mesh.envoy_config import ADMISSION_BYPASS_KEY  # noqa: E402
 from sits_mesh.envoy_process import EnvoyProcess  # noqa: E402

@@ -35,12 +35,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from services.capture.traces import TraceTarget, read_trace, record_to_oom, record_to_sample  # noqa: E402
+from services.decision.convert import oom_from_pb, sample_from_pb  # noqa: E402
 from services.decision.domain.admission import EngineProfile  # noqa: E402
 from services.decision.domain.engine import DecisionEngine  # noqa: E402
 from services.decision.domain.kv_model import known_model  # noqa: E402
 from services.decision.domain.policy import parse_policy  # noqa: E402
-from services.decision.domain.types import Target  # noqa: E402
-from services.decision.records import record_to_oom, record_to_sample, target_from_header  # noqa: E402
 from sits.runtime.clock import ManualClock  # noqa: E402
 
 TOTAL = 143771 * 1024 * 1024  # an H200 as NVML reports it
@@ -58,7 +58,7 @@ class SyntheticTrace:
     kind: str
     records: list[dict[str, Any]]
     oom: bool
-    target: Target = field(default_factory=lambda: Target("bench", "GPU-synthetic", "", "vllm-0"))
+    target: TraceTarget = field(default_factory=lambda: TraceTarget("bench", "GPU-synthetic", "", "vllm-0"))
     # The engine's model shape (a known model name), for the step-budget rules; "" when unknown.
     model: str = ""
 
@@ -204,8 +204,6 @@ def synthetic(seed: int, per_kind: int) -> list[SyntheticTrace]:
 
 
 def recorded(directory: Path) -> Iterator[SyntheticTrace]:
-    from services.capture.traces import read_trace
-
     for path in sorted(directory.glob("*.jsonl.gz")):
         trace = read_trace(path)
         records = [dict(r) for r in trace.records]
@@ -214,20 +212,18 @@ def recorded(directory: Path) -> Iterator[SyntheticTrace]:
             r.get("kind") == "sample" and r.get("gpu") and total and r["gpu"].get("used_bytes", 0) >= total
             for r in records
         )
-        yield SyntheticTrace(path.name, "recorded", records, oom, target_from_header(trace.header.target.to_json()))
+        yield SyntheticTrace(path.name, "recorded", records, oom, trace.header.target)
 
 
 def recorded_vllm(directory: Path) -> Iterator[SyntheticTrace]:
     """Real vLLM traces in which nothing acted on the engine (SITS watching only, or not there)."""
-    from services.capture.traces import read_trace
-
     for path in sorted(directory.glob("*.jsonl.gz")):
         trace = read_trace(path)
         if trace.header.extra.get("sits_acting"):
             continue
         records = [dict(r) for r in trace.records]
         oom = any(r.get("kind") == "oom" for r in records)
-        target = target_from_header(trace.header.target.to_json())
+        target = trace.header.target
         model = str(trace.header.extra.get("decision_model", ""))
         yield SyntheticTrace(path.name, "vllm", records, oom, target, model)
 
@@ -252,11 +248,16 @@ def first_warning(trace: SyntheticTrace, policy_text: str) -> tuple[float | None
         clock.set(T0 + float(r["t"]))
         if r.get("kind") == "sample":
             seq += 1
-            sample = record_to_sample(r, trace.target, T0, seq, f"{trace.name}-{seq}")
+            sample = sample_from_pb(
+                record_to_sample(
+                    r, trace.target, produced_at=T0 + float(r["t"]), sequence=seq, event_id=f"{trace.name}-{seq}"
+                )
+            )
             budget = sample.engine.token_budget if sample.engine is not None and sample.engine.token_budget else budget
             commands = engine.observe(sample)
         else:
-            commands = engine.observe_oom(record_to_oom(r, trace.target, T0, f"{trace.name}-oom-{seq}"))
+            oom = record_to_oom(r, trace.target, produced_at=T0 + float(r["t"]), event_id=f"{trace.name}-oom-{seq}")
+            commands = engine.observe_oom(oom_from_pb(oom))
         if any(not loosens(c, budget) for c in commands):
             return float(r["t"]), seq
     return None, seq

@@ -73,9 +73,9 @@ from sits.runtime.bus import ensure_topics
 from sits.runtime.clock import SystemClock
 from sits.runtime.events import Topics, metric_batch, target_key
 from sits.runtime.kafka_security import kafka_options_for
+from sits.runtime.procs import ManagedProcess, free_port
 from sits.runtime.settings import Settings
 from sits.stack.embedded import EmbeddedStack, StackConfig, wait_serving
-from sits.stack.procs import ManagedProcess, free_port
 from sits.v1 import events_pb2
 
 GIB = 1 << 30

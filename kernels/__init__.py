@@ -1,4 +1,6 @@
-"""GPU side of capture: reading a live engine's paged KV cache without stopping it.
+"""A library of Triton kernels that read a live engine's paged KV cache without stopping it.
+
+Used by the benchmarks (`bench/kernels_h200.py`) and their tests; no service imports it, capture included.
 
 - :func:`plan_snapshot` (sampled per sequence) or :func:`plan_block_sample` (sampled
   over the physical pool) + :func:`snapshot_kv` (or a :class:`KvSnapshotter`): copy KV

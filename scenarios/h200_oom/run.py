@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from scenarios.h200_oom.files import wait_for_file, write_json
-from sits.stack.procs import ManagedProcess, free_port, port_open
+from sits.runtime.procs import ManagedProcess, free_port, port_open
 from sits.stack.tansu import TansuBroker
 
 log = logging.getLogger("h200_oom.run")
@@ -165,50 +165,6 @@ class Redis:
 
     def stop(self) -> None:
         self.proc.stop(grace_s=3)
-
-
-async def read_topics(bootstrap: str, topics: list[str], timeout_s: float = 5.0) -> dict[str, list[dict[str, Any]]]:
-    """Every record of `topics` from the start, decoded (assigned partitions: no consumer group)."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-    from google.protobuf.json_format import MessageToDict
-
-    from sits.runtime.events import decode_events
-    from sits.runtime.kafka_security import kafka_options_for
-
-    consumer = AIOKafkaConsumer(**kafka_options_for(bootstrap), enable_auto_commit=False, auto_offset_reset="earliest")
-    await consumer.start()
-    found: dict[str, list[dict[str, Any]]] = {t: [] for t in topics}
-    try:
-        partitions = []
-        await consumer.topics()  # fetches the cluster's metadata
-        for topic in topics:
-            for partition in consumer.partitions_for_topic(topic) or set():
-                partitions.append(TopicPartition(topic, partition))
-        if not partitions:
-            return found
-        consumer.assign(partitions)
-        await consumer.seek_to_beginning(*partitions)
-        ends = await consumer.end_offsets(partitions)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            positions = {tp: await consumer.position(tp) for tp in partitions}
-            if all(positions[tp] >= ends[tp] for tp in partitions):
-                break
-            batch = await consumer.getmany(timeout_ms=200)
-            for tp, records in batch.items():
-                for record in records:
-                    try:
-                        messages = decode_events(list(record.headers), record.value)
-                    except Exception as error:
-                        found[tp.topic].append({"undecodable": str(error)})
-                        continue
-                    for message in messages:
-                        item = MessageToDict(message, preserving_proto_field_name=True)
-                        item["_kafka_ts"] = record.timestamp / 1000.0
-                        found[tp.topic].append(item)
-    finally:
-        await consumer.stop()
-    return found
 
 
 def timestamp_seconds(value: str | None) -> float | None:
@@ -471,6 +427,8 @@ class Scenario:
         topics = [
             f"{env['SITS_TOPIC_PREFIX']}sits.{name}" for name in ("healing.commands.v1", "healing.results.v1", "oom.v1")
         ]
+        from sits.runtime.topic_dump import read_topics
+
         records = asyncio.run(read_topics(self.broker.bootstrap, topics))
         workload_result = json.loads(files["result"].read_text()) if files["result"].exists() else None
         squeezer_result = json.loads(files["squeezer"].read_text()) if files["squeezer"].exists() else None

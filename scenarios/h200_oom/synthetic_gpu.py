@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from scenarios.h200_oom.files import wait_for_file
@@ -31,28 +32,53 @@ def memory_at(t: float, base: float, peak: float, ramp_s: float) -> float:
     return base + (peak - base) * min(1.0, t / ramp_s)
 
 
-async def publish(args: argparse.Namespace) -> None:
-    settings = Settings(kafka_bootstrap=args.bootstrap, topic_prefix=args.topic_prefix)
-    topics = Topics(args.topic_prefix)
+async def publish_stand_in_samples(
+    bootstrap: str,
+    topic_prefix: str,
+    target: common_pb2.Target,
+    source: str,
+    total_bytes: int,
+    used_bytes: Callable[[float], int],
+    hz: float,
+    max_s: float,
+) -> None:
+    """NVML-shaped samples of a device of `total_bytes`, `used_bytes(now)` used, at `hz` for `max_s` seconds.
+
+    Tagged SAMPLE_SOURCE_REPLAY, so nobody takes them for a measurement. The h200_vllm rehearsal's
+    stand-in (`scenarios.h200_vllm.cpu_gpu`) publishes through this too.
+    """
+    settings = Settings(kafka_bootstrap=bootstrap, topic_prefix=topic_prefix)
+    topics = Topics(topic_prefix)
     await ensure_topics(settings)
-    target = common_pb2.Target(host=args.host, gpu_uuid=args.gpu_uuid, engine=args.engine)
-    t0: float | None = None
     started = time.time()
     sequence = 0
     async with EventProducer(settings) as producer:
-        while time.time() - started < args.max_s:
-            if t0 is None and args.go_file.exists():
-                t0 = float(wait_for_file(args.go_file, 5)["t0"])
+        while time.time() - started < max_s:
             now = time.time()
-            fraction = memory_at(now - t0 if t0 is not None else -1.0, args.base, args.peak, args.ramp_s)
+            used = used_bytes(now)
             sequence += 1
             sample = events_pb2.MetricSample(source_kind=events_pb2.SAMPLE_SOURCE_REPLAY, sequence=sequence)
-            sample.meta.CopyFrom(new_meta("scenario/synthetic-gpu", target, now))
-            sample.gpu.total_bytes = TOTAL
-            sample.gpu.used_bytes = int(fraction * TOTAL)
-            sample.gpu.free_bytes = TOTAL - sample.gpu.used_bytes
+            sample.meta.CopyFrom(new_meta(source, target, now))
+            sample.gpu.total_bytes = total_bytes
+            sample.gpu.used_bytes = used
+            sample.gpu.free_bytes = total_bytes - used
             await producer.publish(topics.metrics, sample)
-            await asyncio.sleep(1.0 / args.hz)
+            await asyncio.sleep(1.0 / hz)
+
+
+async def publish(args: argparse.Namespace) -> None:
+    t0: float | None = None
+
+    def used_bytes(now: float) -> int:
+        nonlocal t0
+        if t0 is None and args.go_file.exists():
+            t0 = float(wait_for_file(args.go_file, 5)["t0"])
+        return int(memory_at(now - t0 if t0 is not None else -1.0, args.base, args.peak, args.ramp_s) * TOTAL)
+
+    target = common_pb2.Target(host=args.host, gpu_uuid=args.gpu_uuid, engine=args.engine)
+    await publish_stand_in_samples(
+        args.bootstrap, args.topic_prefix, target, "scenario/synthetic-gpu", TOTAL, used_bytes, args.hz, args.max_s
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,13 +14,10 @@ import asyncio
 import contextlib
 import json
 import sys
-import time
 from pathlib import Path
 
-from sits.runtime.bus import EventProducer, ensure_topics
-from sits.runtime.events import Topics, new_meta
-from sits.runtime.settings import Settings
-from sits.v1 import common_pb2, events_pb2
+from scenarios.h200_oom.synthetic_gpu import publish_stand_in_samples
+from sits.v1 import common_pb2
 
 
 def held(state_file: Path) -> int:
@@ -30,23 +27,13 @@ def held(state_file: Path) -> int:
 
 
 async def publish(args: argparse.Namespace) -> None:
-    settings = Settings(kafka_bootstrap=args.bootstrap, topic_prefix=args.topic_prefix)
-    topics = Topics(args.topic_prefix)
-    await ensure_topics(settings)
+    def used_bytes(_now: float) -> int:
+        return int(min(args.total_bytes, args.engine_bytes + held(args.state_file)))
+
     target = common_pb2.Target(host=args.host, gpu_uuid=args.gpu_uuid, engine=args.engine)
-    started = time.time()
-    sequence = 0
-    async with EventProducer(settings) as producer:
-        while time.time() - started < args.max_s:
-            sequence += 1
-            sample = events_pb2.MetricSample(source_kind=events_pb2.SAMPLE_SOURCE_REPLAY, sequence=sequence)
-            sample.meta.CopyFrom(new_meta("scenario/cpu-gpu", target, time.time()))
-            used = min(args.total_bytes, args.engine_bytes + held(args.state_file))
-            sample.gpu.total_bytes = args.total_bytes
-            sample.gpu.used_bytes = used
-            sample.gpu.free_bytes = args.total_bytes - used
-            await producer.publish(topics.metrics, sample)
-            await asyncio.sleep(1.0 / args.hz)
+    await publish_stand_in_samples(
+        args.bootstrap, args.topic_prefix, target, "scenario/cpu-gpu", args.total_bytes, used_bytes, args.hz, args.max_s
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,12 +17,13 @@ import importlib.metadata
 import importlib.util
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from sits.runtime.procs import stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 SITS_SCHEDULER = "services.executor.vllm_plugin.scheduler.SitsScheduler"
@@ -199,14 +200,7 @@ class Engine:
         proc = self.proc
         if proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(grace_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(5)
+        stop_group(proc, grace_s)
 
 
 _GIB = r"([0-9.]+) GiB"

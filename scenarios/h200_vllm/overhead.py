@@ -38,7 +38,7 @@ from scenarios.h200_vllm.run import CPU_GPU_UUID, ENGINE_NAME, HOST, Refusal, gp
 from scenarios.h200_vllm.shapes import shape
 from scenarios.h200_vllm.stack import Services, TansuBroker, new_token, read_records_sync, services_env
 from sits.runtime import engine_control as protocol
-from sits.stack.procs import free_port
+from sits.runtime.procs import free_port
 
 log = logging.getLogger("h200_vllm.overhead")
 

@@ -45,7 +45,7 @@ from scenarios.h200_vllm.load import Outcome, drive, health
 from scenarios.h200_vllm.shapes import Shape, shape
 from scenarios.h200_vllm.stack import Redis, Services, TansuBroker, new_token, read_records_sync, services_env
 from sits.runtime import engine_control as protocol
-from sits.stack.procs import ManagedProcess, free_port
+from sits.runtime.procs import ManagedProcess, free_port
 
 log = logging.getLogger("h200_vllm")
 GIB = 1 << 30

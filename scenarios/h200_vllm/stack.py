@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sits.stack.procs import ManagedProcess, free_port, port_open
+from sits.runtime.procs import ManagedProcess, free_port, port_open
 from sits.stack.tansu import TansuBroker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -185,47 +185,12 @@ def new_token(path: Path) -> Path:
 
 
 async def read_records(bootstrap: str, prefix: str, timeout_s: float = 20.0) -> dict[str, list[dict[str, Any]]]:
-    """Every record of the mode's topics from the start, decoded (partitions assigned, no group)."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-    from google.protobuf.json_format import MessageToDict
-
-    from sits.runtime.events import decode_events
+    """Every record of the mode's topics from the start, decoded, by TOPIC_NAMES key."""
+    from sits.runtime.topic_dump import read_topics
 
     topics = {key: prefix + name for key, name in TOPIC_NAMES.items()}
-    found: dict[str, list[dict[str, Any]]] = {key: [] for key in topics}
-    by_topic = {name: key for key, name in topics.items()}
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
-    await consumer.start()
-    try:
-        await consumer.topics()
-        partitions = [
-            TopicPartition(name, p) for name in topics.values() for p in (consumer.partitions_for_topic(name) or ())
-        ]
-        if not partitions:
-            return found
-        consumer.assign(partitions)
-        await consumer.seek_to_beginning(*partitions)
-        ends = await consumer.end_offsets(partitions)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            positions = {tp: await consumer.position(tp) for tp in partitions}
-            if all(positions[tp] >= ends[tp] for tp in partitions):
-                break
-            batch = await consumer.getmany(timeout_ms=200, max_records=5000)
-            for tp, records in batch.items():
-                for record in records:
-                    try:
-                        messages = decode_events(list(record.headers), record.value)
-                    except Exception as error:
-                        found[by_topic[tp.topic]].append({"undecodable": str(error)})
-                        continue
-                    for message in messages:
-                        item = MessageToDict(message, preserving_proto_field_name=True)
-                        item["_kafka_ts"] = record.timestamp / 1000.0
-                        found[by_topic[tp.topic]].append(item)
-    finally:
-        await consumer.stop()
-    return found
+    found = await read_topics(bootstrap, list(topics.values()), timeout_s, max_records=5000)
+    return {key: found[name] for key, name in topics.items()}
 
 
 def read_records_sync(bootstrap: str, prefix: str) -> dict[str, list[dict[str, Any]]]:

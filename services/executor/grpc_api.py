@@ -26,8 +26,11 @@ Context = grpc.aio.ServicerContext[Any, Any]
 T = TypeVar("T")
 
 
-async def answered(context: Context, call: Awaitable[T]) -> T:
-    """The call's result, or the status its failure maps to (the context aborts the RPC)."""
+async def answered(context: Context, call: Awaitable[T], *, mutating: bool = True) -> T:
+    """The call's result, or the status its failure maps to (the context aborts the RPC).
+
+    A mutating call says it refused to act when Redis is down; a read just says Redis is down.
+    """
     try:
         return await call
     except InvalidCommand as error:
@@ -35,7 +38,8 @@ async def answered(context: Context, call: Awaitable[T]) -> T:
     except ActionNotFound as error:
         await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
     except StateUnavailable as error:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, f"refusing mutating action: {error}")
+        detail = f"refusing mutating action: {error}" if mutating else str(error)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, detail)
     except EngineUnavailable as error:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
     except LeaseHeld as error:
@@ -63,19 +67,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         name = request.target.engine
         if name not in self._executor.targets:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown target engine {name!r}")
-        try:
-            actions = await self._executor.state.actions(name, request.limit or 50)
-        except StateUnavailable as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        actions = await answered(context, self._executor.state.actions(name, request.limit or 50), mutating=False)
         return executor_pb2.ListActionsResponse(actions=actions)
 
     async def GetLimits(self, request: executor_pb2.GetLimitsRequest, context: Context) -> executor_pb2.LimitsState:
-        try:
-            state = await self._executor.limits_state(request.target.engine)
-        except InvalidCommand as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(error.reasons))
-        except (StateUnavailable, EngineUnavailable) as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        state = await answered(context, self._executor.limits_state(request.target.engine), mutating=False)
         reply = executor_pb2.LimitsState(state=state)
         reply.target.CopyFrom(request.target)
         return reply

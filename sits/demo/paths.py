@@ -27,8 +27,8 @@ from typing import Any
 import yaml
 
 from services.decision.domain.kv_model import known_model
+from sits.runtime.procs import ManagedProcess, free_port
 from sits.stack.embedded import EmbeddedStack, StackConfig
-from sits.stack.procs import ManagedProcess, free_port
 from sits.stack.vllm_engine import VllmOpenAIServer, VllmServer
 from sits_mesh.envoy_process import EnvoyProcess
 from sits_mesh.policy import MeshPolicy, load_policy

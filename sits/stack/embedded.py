@@ -35,11 +35,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sits.runtime.bus import ensure_topics
 from sits.runtime.grpc_tls import aio_channel, channel_credentials
+from sits.runtime.procs import ManagedProcess, free_port
 from sits.runtime.redis import check_redis
 from sits.runtime.secret_files import mask_url
 from sits.runtime.settings import Settings, load_settings
 from sits.runtime.signing import KeyFile, Signer, new_key, write_key_file
-from sits.stack.procs import ManagedProcess, free_port
 from sits.stack.tansu import TansuBroker
 
 SERVICES = ("capture", "decision", "executor", "validator")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Self
 
-from sits.stack.procs import ManagedProcess, free_port, port_open
+from sits.runtime.procs import ManagedProcess, free_port, port_open
 
 
 def broker_binary() -> str:

@@ -21,18 +21,18 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import grpc
 
-from sits.stack.procs import free_port
+from sits.runtime.procs import astop_group, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_CACHE = REPO_ROOT / ".cache" / "sits-random-llama"
@@ -138,18 +138,26 @@ class VllmServer:
         return ["taskset", "-c", f"0-{self.cpus - 1}" if self.cpus > 1 else "0"] if self.cpus else []
 
     def command(self) -> list[str]:
+        launcher = SITS_GRPC_LAUNCHER if self.scheduler_cls else VLLM_GRPC_LAUNCHER
+        return self._launch_argv(launcher, serving=["--skip-tokenizer-init"])
+
+    def _launch_argv(self, launcher: str, *, naming: Sequence[str] = (), serving: Sequence[str] = ()) -> list[str]:
+        """`python -m launcher` on the model with the engine settings every server here shares.
+
+        `naming` follows the model (the name it is served as), `serving` the shared settings (the server's own).
+        """
         args = [
             *self._cpu_pin(),
             sys.executable,
             "-m",
-            SITS_GRPC_LAUNCHER if self.scheduler_cls else VLLM_GRPC_LAUNCHER,
+            launcher,
             "--model",
             str(self.model_dir),
+            *naming,
             "--host",
             "127.0.0.1",
             "--port",
             str(self.port),
-            "--skip-tokenizer-init",
             "--max-model-len",
             str(self.max_model_len),
             "--max-num-seqs",
@@ -159,6 +167,7 @@ class VllmServer:
             "--enforce-eager",
             # The prefill chunk cap needs chunked prefill; the CPU build leaves it to us.
             "--enable-chunked-prefill",
+            *serving,
         ]
         if self.scheduler_cls:
             args += ["--scheduler-cls", self.scheduler_cls, "--scheduling-policy", "priority"]
@@ -240,15 +249,7 @@ class VllmServer:
         if process is None:
             return
         self._process = None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            await asyncio.to_thread(process.wait, grace_s)
-        # The EngineCore may outlive its parent briefly: sweep the group either way.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=5)
+        await astop_group(process, grace_s)
 
 
 SITS_OPENAI_LAUNCHER = "services.executor.vllm_plugin.openai_launcher"
@@ -273,33 +274,12 @@ class VllmOpenAIServer(VllmServer):
         return f"http://{self.address}/v1"
 
     def command(self) -> list[str]:
-        args = [
-            *self._cpu_pin(),
-            sys.executable,
-            "-m",
+        return self._launch_argv(
             SITS_OPENAI_LAUNCHER if self.scheduler_cls else VLLM_OPENAI_LAUNCHER,
-            "--model",
-            str(self.model_dir),
-            "--served-model-name",
-            self.served_model_name,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--max-model-len",
-            str(self.max_model_len),
-            "--max-num-seqs",
-            str(self.max_num_seqs),
-            "--max-num-batched-tokens",
-            str(self.max_num_batched_tokens),
-            "--enforce-eager",
-            "--enable-chunked-prefill",
+            naming=["--served-model-name", self.served_model_name],
             # One line per request would flood the log under load.
-            "--disable-uvicorn-access-log",
-        ]
-        if self.scheduler_cls:
-            args += ["--scheduler-cls", self.scheduler_cls, "--scheduling-policy", "priority"]
-        return args + list(self.extra_args)
+            serving=["--disable-uvicorn-access-log"],
+        )
 
     async def _wait_healthy(self) -> None:
         import httpx

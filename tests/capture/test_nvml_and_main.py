@@ -14,8 +14,8 @@ from services.capture.main import serve
 from services.capture.settings import CaptureSettings
 from services.capture.sources.nvml import NvmlSource
 from services.capture.sources.nvml_reader import NvmlReader, NvmlUnavailable
+from sits.runtime.procs import free_port
 from sits.runtime.settings import Settings
-from sits.stack.procs import free_port
 from sits.v1 import capture_pb2, capture_pb2_grpc, common_pb2, events_pb2
 
 TRACE = Path(__file__).resolve().parents[2] / "traces" / "h200" / "plateau.jsonl.gz"

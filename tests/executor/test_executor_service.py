@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from services.executor.adapters.engine import EngineControlClient
-from services.executor.adapters.envoy import EnvoyAdmin, breaker_runtime_key, read_pressure_file
+from services.executor.adapters.envoy import EnvoyAdmin
 from services.executor.adapters.redis_state import RedisState, StateUnavailable
 from services.executor.domain import Limits, Tier
 from services.executor.grpc_api import MUTATING_METHODS, SERVICE_NAME, ExecutorServicer
@@ -19,8 +19,10 @@ from sits.runtime.grpcserver import GrpcServer, ServiceBinding, bearer_metadata
 from sits.runtime.redis import connect
 from sits.stack.vllm_engine import VllmServer
 from sits.v1 import common_pb2, events_pb2, executor_pb2, executor_pb2_grpc
+from sits_mesh.envoy_config import breaker_key
 from sits_mesh.envoy_process import EnvoyProcess
 from sits_mesh.policy import Endpoint, MeshPolicy, Overload
+from sits_mesh.pressure import read_pressure
 from tests.executor.conftest import ENGINE, Published, healing_command, make_executor
 from tests.executor.engine_streams import start_streams
 
@@ -229,10 +231,10 @@ async def test_breakers_and_pressure_drive_a_real_envoy(
 
         pressure = await executor.handle(healing_command(events_pb2.ACTION_KIND_SET_PRESSURE, pressure=0.85))
         assert pressure.status == APPLIED
-        assert read_pressure_file(envoy.pressure_file) == pytest.approx(0.85)
+        assert read_pressure(envoy.pressure_file) == pytest.approx(0.85)
         assert pressure.after.pressure == pytest.approx(0.85)
         runtime = await admin.runtime()
-        assert breaker_runtime_key("vllm", Tier.P1) in runtime
+        assert breaker_key("vllm", "p1") in runtime
 
 
 async def test_abort_takes_the_lowest_priority_streams_and_spares_p0(

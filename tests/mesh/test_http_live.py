@@ -212,7 +212,7 @@ async def test_p2_is_shed_with_429_and_retry_after_while_p0_flows(start_http_mes
         with pytest.raises(openai.RateLimitError, match="priority p2 under GPU memory pressure") as routed:
             await chat(api, "p2")
         assert routed.value.response.headers["retry-after"] == "1"
-        await stack.envoy.runtime_modify({"sits.shed.p2": 0, breaker_key(stack.envoy.policy, "p2", "max_requests"): 0})
+        await stack.envoy.runtime_modify({"sits.shed.p2": 0, breaker_key(stack.envoy.policy.upstream_cluster, "p2"): 0})
         with pytest.raises(openai.RateLimitError) as breaker:
             await chat(api, "p2")
         assert breaker.value.response.headers["retry-after"] == "1"

@@ -119,7 +119,7 @@ async def test_pressure_refuses_new_streams_while_in_flight_ones_finish(start_me
 async def test_a_breaker_moved_at_runtime_sheds_p2_and_keeps_p0(start_mesh: StartMesh) -> None:
     stack = await start_mesh()
     assert (await generate(stack.address, "p2")).ok
-    await stack.envoy.runtime_modify({breaker_key(stack.envoy.policy, "p2", "max_requests"): 0})
+    await stack.envoy.runtime_modify({breaker_key(stack.envoy.policy.upstream_cluster, "p2"): 0})
     shed = await generate(stack.address, "p2")
     assert shed.code == grpc.StatusCode.UNAVAILABLE
     assert shed.trailers.get("x-envoy-overloaded") == "true"
@@ -215,7 +215,7 @@ async def test_inference_flows_when_the_processor_is_down(start_mesh: StartMesh)
     flowed = await generate(stack.address, "p0", max_tokens=8)
     assert flowed.ok and len(flowed.tokens) == 8
     # Still under Envoy's last limits: a runtime breaker keeps working without the processor.
-    await stack.envoy.runtime_modify({breaker_key(stack.envoy.policy, "p2", "max_requests"): 0})
+    await stack.envoy.runtime_modify({breaker_key(stack.envoy.policy.upstream_cluster, "p2"): 0})
     assert (await generate(stack.address, "p2")).code == grpc.StatusCode.UNAVAILABLE
     assert await stack.envoy.stat("http.sits_ingress.ext_proc.sits_admission.failure_mode_allowed") >= 1
 

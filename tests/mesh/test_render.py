@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sits.stack.procs import free_port
+from sits.runtime.procs import free_port
 from sits_mesh import cli
 from sits_mesh.envoy_config import (
     ADMISSION_BYPASS_KEY,

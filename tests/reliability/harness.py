@@ -32,10 +32,10 @@ from services.executor.adapters.redis_state import lease_overlaps as overlaps_in
 from sits.runtime.bus import EventProducer
 from sits.runtime.events import EnvelopeError, Topics, decode_event, decode_events, header_value, new_meta
 from sits.runtime.kafka_security import kafka_options_for
+from sits.runtime.procs import ManagedProcess
 from sits.runtime.redis import connect
 from sits.runtime.settings import Settings
 from sits.stack.embedded import EmbeddedStack, StackConfig
-from sits.stack.procs import ManagedProcess
 from sits.v1 import common_pb2, events_pb2
 
 GIB = 1 << 30

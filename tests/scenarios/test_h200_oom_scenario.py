@@ -16,7 +16,7 @@ from scenarios.h200_oom.model import TINY, KvCache, LlamaModel
 from scenarios.h200_oom.workload import Engine, start_engine_control
 from services.executor.adapters.engine import EngineControlClient, EngineRejected
 from services.executor.domain import Limits
-from sits.stack.procs import free_port
+from sits.runtime.procs import free_port
 
 SHAPE = EngineShape(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sits.runtime.procs import ManagedProcess, free_port, port_open
 from sits.stack.devcerts import DevCa, write_issued
-from sits.stack.procs import ManagedProcess, free_port, port_open
 from sits.stack.tansu import TansuBroker
 from sits_mesh.envoy_process import envoy_binary
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.executor.adapters.envoy import read_pressure_file
 from sits.runtime.bus import EventProducer
 from sits.runtime.grpc_tls import aio_channel, channel_credentials
 from sits.runtime.grpcserver import bearer_metadata
@@ -25,6 +24,7 @@ from sits.runtime.signing import read_keys
 from sits.stack.devcerts import DevCa, write_issued
 from sits.stack.embedded import EmbeddedStack
 from sits.v1 import capture_pb2_grpc, decision_pb2, decision_pb2_grpc
+from sits_mesh.pressure import read_pressure
 from tests.fixtures.otlp import OtlpReceiver
 from tests.reliability import harness as h
 from tests.security.conftest import PrivateRedis
@@ -82,7 +82,7 @@ async def test_no_secret_reaches_logs_metrics_or_traces(
                     )
                 assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             pressure = stack.config.run_dir / "pressure"
-            assert await eventually(lambda: read_pressure_file(pressure) == pytest.approx(0.95), 60), (
+            assert await eventually(lambda: read_pressure(pressure) == pytest.approx(0.95), 60), (
                 "the OOM went through a signed command to the executor"
             )
             async with EventProducer(stack.settings) as unsigned:

@@ -15,21 +15,21 @@ import grpc
 import pytest
 from redis.exceptions import NoPermissionError
 
-from services.executor.adapters.envoy import read_pressure_file
 from services.executor.main import serve
 from services.executor.settings import EngineEndpoints, ExecutorSettings
 from sits.runtime.bus import EventProducer, ensure_topics
 from sits.runtime.events import Topics, new_meta
 from sits.runtime.grpcserver import bearer_metadata
 from sits.runtime.kafka_security import kafka_client_options
+from sits.runtime.procs import free_port
 from sits.runtime.redis import RedisUnavailable, check_redis, connect, connect_with
 from sits.runtime.secret_files import mask_url
 from sits.runtime.settings import Settings
 from sits.runtime.signing import Signer, new_key, write_key_file
 from sits.stack.embedded import wait_serving
-from sits.stack.procs import free_port
 from sits.stack.tansu import TansuBroker
 from sits.v1 import common_pb2, events_pb2, executor_pb2_grpc
+from sits_mesh.pressure import read_pressure
 from tests.security.conftest import Certs, PrivateRedis
 from tests.security.records import Collector
 from tests.waiting import eventually
@@ -148,9 +148,7 @@ async def test_wrong_credentials_refuse_mutations_clearly_and_fixing_the_file_re
                     await stub.Apply(command(0.2), metadata=bearer_metadata("grpc-token-1234"), timeout=10)
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert "Redis refused SITS's credentials" in (refused.value.details() or "")
-                assert (
-                    collector.results(topics.results) == [] and read_pressure_file(settings.envoy_pressure_file) is None
-                )
+                assert collector.results(topics.results) == [] and read_pressure(settings.envoy_pressure_file) is None
 
                 password_file.write_text(PASSWORD)  # the operator fixes the file: no restart
                 applied = await stub.Apply(command(0.2), metadata=bearer_metadata("grpc-token-1234"), timeout=10)

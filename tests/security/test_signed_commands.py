@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from services.executor.adapters.envoy import read_pressure_file
 from services.executor.main import serve
 from services.executor.settings import EngineEndpoints, ExecutorSettings
 from sits.runtime.bus import EventProducer, ensure_topics
@@ -32,6 +31,7 @@ from sits.runtime.settings import Settings
 from sits.runtime.signing import KeyFile, Signer, SigningKey, new_key, write_key_file
 from sits.stack.tansu import TansuBroker
 from sits.v1 import common_pb2, events_pb2
+from sits_mesh.pressure import read_pressure
 from tests.security.records import Collector
 from tests.waiting import eventually
 
@@ -160,7 +160,7 @@ async def test_forged_records_are_dead_lettered_with_their_reason_and_change_not
         warm = x.command(0.3)
         await signed.publish(x.topics.commands, warm)
         assert await x.applied(warm.command_id, 30), "the executor applies a properly signed command"
-        assert read_pressure_file(x.pressure_file) == pytest.approx(0.3)
+        assert read_pressure(x.pressure_file) == pytest.approx(0.3)
         actions_before = await x.action_count()
 
         forged: dict[str, events_pb2.HealingCommand] = {}
@@ -211,7 +211,7 @@ async def test_forged_records_are_dead_lettered_with_their_reason_and_change_not
             assert x.statuses(command.command_id) == [], f"{case}: no result, nothing applied"
     assert x.statuses(warm.command_id) == [APPLIED, events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE]
     assert x.statuses(sentinel.command_id) == [APPLIED]
-    assert read_pressure_file(x.pressure_file) == pytest.approx(0.4)
+    assert read_pressure(x.pressure_file) == pytest.approx(0.4)
     assert await x.action_count() == actions_before + 1, "only the sentinel was recorded as an action"
 
 
@@ -256,4 +256,4 @@ async def test_keys_rotate_while_commands_flow_and_none_is_lost(executor: Runnin
     assert dead[0][1].startswith("unknown_key:"), "a command signed with the retired key is refused"
     assert x.statuses(late.command_id) == []
     assert sum(1 for c in sent if x.statuses(c) == [APPLIED]) == 30
-    assert read_pressure_file(x.pressure_file) == pytest.approx(0.6)
+    assert read_pressure(x.pressure_file) == pytest.approx(0.6)

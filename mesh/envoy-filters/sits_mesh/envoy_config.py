@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from sits_mesh.policy import PRIORITY_NAMES, MeshPolicy, PriorityName
+from sits_mesh.policy import PRIORITY_NAMES, MeshPolicy, PriorityName, tier_cluster
 
 INGRESS_STAT_PREFIX = "sits_ingress"
 RATELIMIT_STAT_PREFIX = "sits_ratelimit"
@@ -49,9 +49,9 @@ def shed_key(priority: PriorityName) -> str:
     return f"sits.shed.{priority}"
 
 
-def breaker_key(policy: MeshPolicy, priority: PriorityName, field: str) -> str:
+def breaker_key(upstream_cluster: str, priority: PriorityName, field: str = "max_requests") -> str:
     """Envoy's own runtime key for a circuit-breaker threshold (priority segment lowercase)."""
-    return f"circuit_breakers.{policy.cluster_for(priority)}.default.{field}"
+    return f"circuit_breakers.{tier_cluster(upstream_cluster, priority)}.default.{field}"
 
 
 def duration(seconds: float) -> str:
@@ -533,9 +533,9 @@ def runtime_defaults(policy: MeshPolicy) -> dict[str, Any]:
         defaults[ADMISSION_BYPASS_KEY] = 0
     for priority in PRIORITY_NAMES:
         limits = policy.priorities.classes[priority]
-        defaults[breaker_key(policy, priority, "max_requests")] = limits.max_requests
-        defaults[breaker_key(policy, priority, "max_pending_requests")] = limits.max_pending_requests
-        defaults[breaker_key(policy, priority, "max_connections")] = limits.max_connections
+        defaults[breaker_key(policy.upstream_cluster, priority, "max_requests")] = limits.max_requests
+        defaults[breaker_key(policy.upstream_cluster, priority, "max_pending_requests")] = limits.max_pending_requests
+        defaults[breaker_key(policy.upstream_cluster, priority, "max_connections")] = limits.max_connections
     return defaults
 
 

@@ -3,7 +3,7 @@
 `async with EnvoyProcess(policy) as envoy:` renders the policy into a temporary
 folder (listener and admin on free loopback ports unless the policy fixes
 them), starts `envoy`, waits until admin `/ready` answers 200, and on exit
-stops it (SIGTERM, then SIGKILL after a grace period). `stop()` is safe to call
+stops it (`sits.runtime.procs.astop_group`: SIGTERM, then SIGKILL after a grace period). `stop()` is safe to call
 twice. The stack tooling and the executor's tests reuse it.
 """
 
@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from sits.stack.procs import free_port
+from sits.runtime.procs import astop_group, free_port
 from sits_mesh.envoy_config import render_bootstrap_yaml
 from sits_mesh.policy import Endpoint, MeshPolicy, Overload
 from sits_mesh.pressure import read_pressure, write_pressure
@@ -77,10 +75,20 @@ class AdminApi:
         return await asyncio.to_thread(_http, method, f"{self.admin_url}{path}", timeout_s)
 
     async def runtime_modify(self, values: dict[str, int | float | str]) -> None:
+        if not values:
+            return
         query = urllib.parse.urlencode({k: str(v) for k, v in values.items()})
         status, body = await self.admin("POST", f"/runtime_modify?{query}")
         if status != 200:
             raise EnvoyError(f"runtime_modify {values} answered {status}: {body}")
+
+    async def runtime(self) -> dict[str, str]:
+        """Every runtime key Envoy knows, with its final (layered) value."""
+        status, body = await self.admin("GET", "/runtime")
+        if status != 200:
+            raise EnvoyError(f"/runtime answered {status}: {body[:200]}")
+        entries = json.loads(body).get("entries", {})
+        return {key: str(entry.get("final_value", "")) for key, entry in entries.items()}
 
     async def stats(self, filter_regex: str | None = None) -> dict[str, int]:
         """Counters and gauges (histograms left out), by full stat name."""
@@ -223,14 +231,7 @@ class EnvoyProcess(AdminApi):
         if process is None:
             return
         self._process = None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            await asyncio.to_thread(process.wait, grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            await asyncio.to_thread(process.wait, 5)
+        await astop_group(process, grace_s)
         if self._owned_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -245,7 +245,12 @@ class MeshPolicy(_Frozen):
         return self
 
     def cluster_for(self, priority: PriorityName) -> str:
-        return f"{self.upstream_cluster}_{priority}"
+        return tier_cluster(self.upstream_cluster, priority)
+
+
+def tier_cluster(upstream_cluster: str, priority: PriorityName) -> str:
+    """The Envoy cluster of one priority tier of the upstream (the executor names it from its own config)."""
+    return f"{upstream_cluster}_{priority}"
 
 
 class PolicyError(ValueError):

@@ -6,9 +6,9 @@ from typing import ClassVar
 
 from services.executor import domain
 from services.executor.actions.base import Action, ActionContext, EngineTarget
-from services.executor.adapters.envoy import write_pressure_file
 from services.executor.domain import ActionKind
 from sits.v1 import events_pb2
+from sits_mesh.pressure import write_pressure
 
 
 class PressureAction(Action):
@@ -45,7 +45,7 @@ class PressureAction(Action):
 async def set_pressure(ctx: ActionContext, target: EngineTarget, value: float) -> None:
     if ctx.pressure_file is None:
         raise RuntimeError("no Envoy pressure file configured (SITS_ENVOY_PRESSURE_FILE)")
-    write_pressure_file(ctx.pressure_file, value)
+    write_pressure(ctx.pressure_file, value)
     await ctx.state.save_pressure(target.name, value)
 
 

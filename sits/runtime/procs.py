@@ -13,7 +13,6 @@ import random
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -108,19 +107,31 @@ class ManagedProcess:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the group, wait up to grace_s, then SIGKILL it; safe to call twice."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while self.proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-        # Children of the group may outlive the leader; end them too.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
+        if self.proc is not None:
+            stop_group(self.proc, grace_s)
 
     async def astop(self, grace_s: float = 10.0) -> None:
         await asyncio.to_thread(self.stop, grace_s)
+
+
+def stop_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
+    """Stop `process` and its process group: SIGTERM, wait up to grace_s, then SIGKILL the group.
+
+    `process` must lead its own group (`start_new_session=True`). The SIGKILL goes to the group
+    even when the leader has exited, because children (vLLM's EngineCore) may outlive it.
+    Safe to call on a process that has already been stopped.
+    """
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5)
+
+
+async def astop_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
+    """`stop_group` off the event loop."""
+    await asyncio.to_thread(stop_group, process, grace_s)
