@@ -9,6 +9,7 @@ from typing import Any, cast
 import grpc
 import pytest
 
+from bench import reliability_harness as h
 from sits.v1 import (
     capture_pb2_grpc,
     decision_pb2,
@@ -17,7 +18,6 @@ from sits.v1 import (
     executor_pb2,
     executor_pb2_grpc,
 )
-from tests.reliability import harness as h
 
 BAD_CREDENTIALS = {
     "none": (),

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from bench import reliability_harness as h
 from services.capture.spool import RecordKind, Spool, SpoolRecord
 from services.capture.traces import TraceFormatError, read_trace
 from services.decision.domain.policy import PolicyError, parse_policy
@@ -41,7 +42,6 @@ from sits.v1 import (
     validator_pb2,
     validator_pb2_grpc,
 )
-from tests.reliability import harness as h
 from tests.reliability.conftest import MAX_MESSAGE_BYTES
 from tests.reliability.protofuzz import messages
 from tests.waiting import eventually

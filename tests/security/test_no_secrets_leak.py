@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from bench import reliability_harness as h
 from services.executor.adapters.envoy import read_pressure_file
 from sits.runtime.bus import EventProducer
 from sits.runtime.grpc_tls import aio_channel, channel_credentials
@@ -26,7 +27,6 @@ from sits.stack.devcerts import DevCa, write_issued
 from sits.stack.embedded import EmbeddedStack
 from sits.v1 import capture_pb2_grpc, decision_pb2, decision_pb2_grpc
 from tests.fixtures.otlp import OtlpReceiver
-from tests.reliability import harness as h
 from tests.security.conftest import PrivateRedis
 from tests.waiting import eventually
 
