@@ -24,7 +24,14 @@ from sits.stack.tokenizer import training_text
 from sits.stack.vllm_engine import SERVED_MODEL_NAME, VllmOpenAIServer, make_random_llama
 from sits_mesh.envoy_config import breaker_key
 from tests.mesh.conftest import MeshStack, StartMesh
-from tests.mesh.helpers import KV_BYTES_PER_TOKEN, KvRuleDecision, SlowReader, wait_for_stat
+from tests.mesh.helpers import (
+    KV_BYTES_PER_TOKEN,
+    KvRuleDecision,
+    SlowReader,
+    stall_until_envoy_pauses,
+    upstream_read_once_settled,
+    wait_for_stat,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.envoy, pytest.mark.timeout(900)]
 
@@ -273,22 +280,10 @@ async def test_a_client_that_stops_reading_an_event_stream_stays_bounded(start_h
     reader = SlowReader(stack.address, window=client_window)
     await reader.post("/v1/completions", [("content-type", "application/json"), ("x-sits-priority", "p0")], body)
     try:
-        paused = 0
-        deadline = time.monotonic() + 120
-        while paused < 1 and time.monotonic() < deadline:
-            await reader.pump(0.3, acknowledge=False)
-            paused = await envoy.stat("cluster.vllm_p0.upstream_flow_control_paused_reading_total")
-        read = await envoy.stat("cluster.vllm_p0.upstream_cx_rx_bytes_total")
+        paused, read = await stall_until_envoy_pauses(envoy, reader)
         assert paused >= 1, f"Envoy never paused reading from vLLM (read {read} bytes): {reader.tail!r}"
         assert reader.received <= client_window
-        read_while_paused = await envoy.stat("cluster.vllm_p0.upstream_cx_rx_bytes_total")
-        settle_by = time.monotonic() + 30
-        while True:
-            await reader.pump(1.0, acknowledge=False)
-            read_now = await envoy.stat("cluster.vllm_p0.upstream_cx_rx_bytes_total")
-            if read_now == read_while_paused or time.monotonic() > settle_by:
-                break
-            read_while_paused = read_now
+        read_while_paused, read_now = await upstream_read_once_settled(envoy, reader)
         assert read_now == read_while_paused, "Envoy kept reading from vLLM for 30 s after pausing"
         # The client's window and Envoy's few buffers of `buffer_limit` (downstream codec and
         # connection, upstream connection), plus one socket read.
