@@ -12,17 +12,16 @@ import time
 from functools import cache
 from typing import Any
 
-import grpc
 import httpx
 import openai
 import pytest
 from tokenizers import Tokenizer
 
 from sits.demo.load import LoadDriver, LoadShape
-from sits.runtime import engine_control as protocol
 from sits.stack.tokenizer import training_text
 from sits.stack.vllm_engine import SERVED_MODEL_NAME, VllmOpenAIServer, make_random_llama
 from sits_mesh.envoy_config import breaker_key
+from tests.fixtures.vllm import engine_state
 from tests.mesh.conftest import MeshStack, StartMesh
 from tests.mesh.helpers import (
     KV_BYTES_PER_TOKEN,
@@ -47,15 +46,6 @@ def tokenizer() -> Tokenizer:
 def client(base_url: str, **kwargs: Any) -> openai.AsyncOpenAI:
     # No retries: every test looks at the first answer (the client retries 429 and 5xx by default).
     return openai.AsyncOpenAI(base_url=base_url, api_key=kwargs.pop("api_key", "none"), max_retries=0, **kwargs)
-
-
-async def engine_state(address: str) -> dict[str, Any]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        get = channel.unary_unary(
-            protocol.GET_STATE, request_serializer=protocol.encode, response_deserializer=protocol.decode
-        )
-        state: dict[str, Any] = await get({}, timeout=30)
-        return state
 
 
 async def test_the_routed_tier_header_decides_the_tier_in_the_engine(openai_engine: VllmOpenAIServer) -> None:
