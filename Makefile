@@ -27,7 +27,7 @@ setup: $(STAMP) $(STUBS)
 
 $(STUBS): $(STAMP) $(wildcard protos/sits/v1/*.proto) scripts/gen_protos.py
 	@echo "==> generating sits.v1 stubs from protos/"
-	@$(PY) scripts/gen_protos.py
+	@$(PY) -m scripts.gen_protos
 
 stubs: $(STUBS)
 
@@ -72,7 +72,7 @@ test-fast: setup redis promtool
 	@$(PY) -m pytest --ignore=tests/kernels -m "not vllm and not slow and not gpu" $(PYTEST_ARGS)
 
 bench: setup redis
-	@$(PY) bench/run_all.py
+	@$(PY) -m bench.run_all
 
 bench-gpu:
 	@echo "GPU benchmarks run on the H200 through the device tool: see bench/README.md"

@@ -1,7 +1,7 @@
 """Capture overhead: CPU per GPU of NVML sampling at 10 Hz and 100 Hz (runs on the H200).
 
-    python bench/capture_overhead.py                  # on a GPU machine: measure, then write the result
-    python bench/capture_overhead.py --from RAW.json  # write the result from a raw H200 measurement
+    python -m bench.capture_overhead                  # on a GPU machine: measure, then write the result
+    python -m bench.capture_overhead --from RAW.json  # write the result from a raw H200 measurement
 
 The measurement is scripts/gpu/capture_nvml_overhead.py (also run by
 scripts/gpu/capture_h200.sh): capture's real NvmlSource, alone in a process,
@@ -71,16 +71,16 @@ def main() -> int:
     if args.raw is None:
         raw_path = Path(tempfile.mkdtemp()) / "raw.json"
         subprocess.run(
-            [sys.executable, str(ROOT / "scripts/gpu/capture_nvml_overhead.py"), str(raw_path), "30"], check=True
+            [sys.executable, "-m", "scripts.gpu.capture_nvml_overhead", str(raw_path), "30"], cwd=ROOT, check=True
         )
         measured_at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        command = "python bench/capture_overhead.py (on the H200)"
+        command = "python -m bench.capture_overhead (on the H200)"
     else:
         raw_path = args.raw
         measured_at = args.measured_at or datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         command = (
-            "python scripts/gpu/capture_nvml_overhead.py RAW 15 (on the H200); "
-            "python bench/capture_overhead.py --from RAW"
+            "python -m scripts.gpu.capture_nvml_overhead RAW 15 (on the H200); "
+            "python -m bench.capture_overhead --from RAW"
         )
     result = result_from_raw(json.loads(raw_path.read_text()), measured_at, command, args.note)
     RESULT.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,6 +1,6 @@
 """Capture publish throughput and spool drain rate, against a real Tansu broker on this machine.
 
-    python bench/capture_publish.py [--samples 50000] [--runs 3]
+    python -m bench.capture_publish [--samples 50000] [--runs 3]
 
 - `samples_per_s`: MetricSamples through one capture process (CaptureService.ingest_sample: stamp, latest
   state, fan-out, publisher -> runtime EventProducer with CloudEvents headers and trace context) until the
@@ -23,25 +23,24 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from aiokafka import AIOKafkaProducer
 
-from aiokafka import AIOKafkaProducer  # noqa: E402
-
-from services.capture.publisher import (  # noqa: E402
+from services.capture.publisher import (
     MAX_SAMPLES_PER_RECORD,
     CapturePublisher,
     TopicEnsuringProducer,
 )
-from services.capture.service import CaptureService  # noqa: E402
-from services.capture.spool import FsyncPolicy, RecordKind, Spool, SpoolRecord  # noqa: E402
-from sits.runtime.bus import ensure_topics  # noqa: E402
-from sits.runtime.clock import SystemClock  # noqa: E402
-from sits.runtime.events import Topics  # noqa: E402
-from sits.runtime.kafka_security import kafka_options_for  # noqa: E402
-from sits.runtime.settings import Settings  # noqa: E402
-from sits.stack.tansu import TansuBroker  # noqa: E402
-from sits.v1 import events_pb2  # noqa: E402
+from services.capture.service import CaptureService
+from services.capture.spool import FsyncPolicy, RecordKind, Spool, SpoolRecord
+from sits.runtime.bus import ensure_topics
+from sits.runtime.clock import SystemClock
+from sits.runtime.events import Topics
+from sits.runtime.kafka_security import kafka_options_for
+from sits.runtime.settings import Settings
+from sits.stack.tansu import TansuBroker
+from sits.v1 import events_pb2
+
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULT = ROOT / "bench" / "results" / "capture_publish.json"
 
@@ -139,7 +138,7 @@ async def main_async(n: int, runs: int) -> dict[str, object]:
         "name": "capture_publish",
         "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": "2-core CPU machine, Tansu broker on loopback",
-        "command": f"python bench/capture_publish.py --samples {n} --runs {runs}",
+        "command": f"python -m bench.capture_publish --samples {n} --runs {runs}",
         "figures": {
             "samples_per_s": round(statistics.median(capture)),
             "spool_drain_samples_per_s": round(statistics.median(drain)),

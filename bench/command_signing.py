@@ -14,7 +14,7 @@
    signing, past its deadline, a replayed command_id with other content, no deadline. Counted:
    how many were applied (results topic), and the engine's cap after them.
 
-Run: .venv/bin/python bench/command_signing.py [--samples 100] [--rounds 3]
+Run: .venv/bin/python -m bench.command_signing [--samples 100] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -26,14 +26,11 @@ import functools
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
@@ -340,7 +337,7 @@ async def run(samples: int, rounds: int, micro_count: int, same: bool = False) -
     load = os.getloadavg()
     path = write_result(
         "command_signing_control" if same else "command_signing",
-        command=".venv/bin/python bench/command_signing.py",
+        command=".venv/bin/python -m bench.command_signing",
         figures={
             "sign_us": round(costs["sign_us"], 2),
             "verify_us": round(costs["verify_us"], 2),

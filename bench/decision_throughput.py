@@ -6,7 +6,7 @@ decision engine with the default policy, one process, one thread. Baseline in
 the same run: decoding the same samples from protobuf bytes, which every
 consumer pays anyway.
 
-    .venv/bin/python bench/decision_throughput.py
+    .venv/bin/python -m bench.decision_throughput
 writes bench/results/decision_throughput.json.
 """
 
@@ -16,19 +16,15 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from services.decision import convert  # noqa: E402
-from services.decision.domain.admission import EngineProfile  # noqa: E402
-from services.decision.domain.engine import DecisionEngine  # noqa: E402
-from services.decision.domain.kv_model import known_model  # noqa: E402
-from services.decision.domain.policy import parse_policy  # noqa: E402
-from services.decision.domain.types import (  # noqa: E402
+from services.decision import convert
+from services.decision.domain.admission import EngineProfile
+from services.decision.domain.engine import DecisionEngine
+from services.decision.domain.kv_model import known_model
+from services.decision.domain.policy import parse_policy
+from services.decision.domain.types import (
     AllocatorStats,
     EngineLoad,
     GpuMemory,
@@ -37,7 +33,9 @@ from services.decision.domain.types import (  # noqa: E402
     Sample,
     Target,
 )
-from sits.runtime.clock import ManualClock  # noqa: E402
+from sits.runtime.clock import ManualClock
+
+ROOT = Path(__file__).resolve().parent.parent
 
 GIB = 1024**3
 TOTAL = 143771 * 1024 * 1024
@@ -149,7 +147,7 @@ def main() -> int:
         "name": "decision_throughput",
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": "2-core CPU machine",
-        "command": "python bench/decision_throughput.py",
+        "command": "python -m bench.decision_throughput",
         "figures": {
             "samples_per_s_per_core": round(statistics.median(rates)),
             "p50_ms": round(statistics.median(p50s), 4),

@@ -14,7 +14,7 @@ chunk. Throughput: `--concurrency` streams of `--tokens` tokens at once, tokens/
 and the same with `--long-tokens` per stream, where the per-request admission
 cost is spread over a longer generation.
 
-Run: .venv/bin/python bench/envoy_overhead.py [--samples N] [--rounds N]
+Run: .venv/bin/python -m bench.envoy_overhead [--samples N] [--rounds N]
 """
 
 from __future__ import annotations
@@ -32,20 +32,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+import yaml
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from bench.common import median, quantile, write_result
+from sits.runtime.procs import free_port
+from sits.stack.vllm_engine import VllmServer, make_random_llama
+from sits_mesh.envoy_config import ADMISSION_BYPASS_KEY
+from sits_mesh.envoy_process import EnvoyProcess
+from sits_mesh.policy import MeshPolicy, load_policy
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "mesh" / "envoy-filters"))
-
-import grpc  # noqa: E402
-import yaml  # noqa: E402
-from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc  # noqa: E402
-
-from bench.common import median, quantile, write_result  # noqa: E402
-from sits.runtime.procs import free_port  # noqa: E402
-from sits.stack.vllm_engine import VllmServer, make_random_llama  # noqa: E402
-from sits_mesh.envoy_config import ADMISSION_BYPASS_KEY  # noqa: E402
-from sits_mesh.envoy_process import EnvoyProcess  # noqa: E402
-from sits_mesh.policy import MeshPolicy, load_policy  # noqa: E402
 
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 2  # the random Llama: 2 layers, 2 KV heads, head_dim 64, bf16
 

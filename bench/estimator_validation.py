@@ -4,8 +4,8 @@ On the GPU machine this runs scripts/gpu/estimator.py and records the result;
 elsewhere it turns that script's raw output (`--raw FILE`) into the result file.
 Baseline, from the same measurements: the naive estimate weights + KV alone.
 
-    python3 bench/estimator_validation.py                # on the H200
-    .venv/bin/python bench/estimator_validation.py --raw raw.json
+    python3 -m bench.estimator_validation                # on the H200
+    .venv/bin/python -m bench.estimator_validation --raw raw.json
 writes bench/results/estimator_validation.json.
 """
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def measure() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "raw.json"
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "estimator.py"), "--out", str(out)], check=True)
+        subprocess.run([sys.executable, "-m", "scripts.gpu.estimator", "--out", str(out)], cwd=ROOT, check=True)
         raw: dict[str, Any] = json.loads(out.read_text())
         return raw
 
@@ -63,7 +63,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         "name": "estimator_validation",
         "measured_at": raw["measured_at"],
         "machine": f"{raw['device']}, torch {raw['torch']}",
-        "command": "python3 scripts/gpu/estimator.py (on the H200), then bench/estimator_validation.py --raw",
+        "command": "python3 -m scripts.gpu.estimator (on the H200), then python3 -m bench.estimator_validation --raw",
         "figures": {
             "models": len(models),
             "max_rel_error": round(max(abs(m["rel_error_allocated"]) for m in models), 5),

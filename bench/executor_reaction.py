@@ -7,7 +7,7 @@ flips `max_num_running_reqs` and polls the engine-control endpoint until the
 engine reports the new cap. Baselines in the same run: a raw broker round trip
 (produce → consume) and a direct control-endpoint SetLimits (no Kafka, no Redis).
 
-Run: .venv/bin/python bench/executor_reaction.py [--samples N]
+Run: .venv/bin/python -m bench.executor_reaction [--samples N]
 """
 
 from __future__ import annotations
@@ -15,13 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
@@ -144,7 +141,7 @@ async def run(samples: int) -> None:
         await client.aclose()
     path = write_result(
         "executor_reaction",
-        command=".venv/bin/python bench/executor_reaction.py",
+        command=".venv/bin/python -m bench.executor_reaction",
         figures={
             "p50_ms": round(quantile(reaction, 0.5), 2),
             "p99_ms": round(quantile(reaction, 0.99), 2),

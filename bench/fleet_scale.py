@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import os
-import sys
 import tempfile
 import time
 import uuid
@@ -35,13 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import yaml
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from google.protobuf.message import Message
 
+from bench import reliability_harness as h
 from bench.common import quantile, write_result
 from services.capture.publisher import CapturePublisher, TopicEnsuringProducer
 from services.capture.spool import Spool
@@ -51,7 +49,6 @@ from sits.runtime.events import Topics, new_meta, seconds
 from sits.runtime.kafka_security import kafka_options_for
 from sits.stack.embedded import EmbeddedStack, StackConfig
 from sits.v1 import common_pb2, events_pb2
-from tests.reliability import harness as h
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 COMMAND = ".venv/bin/python -m bench.fleet_scale"

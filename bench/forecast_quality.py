@@ -14,7 +14,7 @@ minus the time of the first warning.
 
 Baseline, measured in the same run: a plain threshold alarm (memory above 90%).
 
-    .venv/bin/python bench/forecast_quality.py
+    .venv/bin/python -m bench.forecast_quality
 writes bench/results/forecast_quality.json.
 """
 
@@ -25,23 +25,21 @@ import json
 import math
 import random
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from services.capture.traces import TraceTarget, read_trace, record_to_oom, record_to_sample
+from services.decision.convert import oom_from_pb, sample_from_pb
+from services.decision.domain.admission import EngineProfile
+from services.decision.domain.engine import DecisionEngine
+from services.decision.domain.kv_model import known_model
+from services.decision.domain.policy import parse_policy
+from sits.runtime.clock import ManualClock
 
-from services.capture.traces import TraceTarget, read_trace, record_to_oom, record_to_sample  # noqa: E402
-from services.decision.convert import oom_from_pb, sample_from_pb  # noqa: E402
-from services.decision.domain.admission import EngineProfile  # noqa: E402
-from services.decision.domain.engine import DecisionEngine  # noqa: E402
-from services.decision.domain.kv_model import known_model  # noqa: E402
-from services.decision.domain.policy import parse_policy  # noqa: E402
-from sits.runtime.clock import ManualClock  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TOTAL = 143771 * 1024 * 1024  # an H200 as NVML reports it
 POLICY_PATH = ROOT / "services" / "decision" / "default_policy.yaml"
@@ -400,7 +398,7 @@ def main() -> int:
         "name": "forecast_quality",
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": "2-core CPU machine",
-        "command": "python bench/forecast_quality.py",
+        "command": "python -m bench.forecast_quality",
         "figures": figures,
         "baseline": {
             "threshold": THRESHOLD_BASELINE,

@@ -5,7 +5,7 @@ into bench/results/h200_oom_prevention.json. The run itself needs the H200
 (`OUT=dir scenarios/h200_oom/run_h200.sh`, see docs/h200_oom_prevention.md);
 this script only reads what it wrote:
 
-    python bench/h200_oom_prevention.py [--without FILE] [--with FILE]
+    python -m bench.h200_oom_prevention [--without FILE] [--with FILE]
 
 Figures:
 - ooms_without / ooms_with: CUDA OOMs inside the engine (each one kills it);
@@ -25,12 +25,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from bench.common import RESULTS, write_result
 
 NAME = "h200_oom_prevention"
-COMMAND = "OUT=dir scenarios/h200_oom/run_h200.sh; python bench/h200_oom_prevention.py"
+COMMAND = "OUT=dir scenarios/h200_oom/run_h200.sh; python -m bench.h200_oom_prevention"
 
 
 def first_warning_s(run: dict[str, Any]) -> float | None:

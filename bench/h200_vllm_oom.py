@@ -6,7 +6,7 @@ bench/results/h200_vllm_oom.json; the runs themselves need the GPU:
     OUT=dir scenarios/h200_vllm/run_h200.sh scenarios --shape llama-3-8b    # and --shape qwen2.5-14b
     OUT=dir scenarios/h200_vllm/run_h200.sh overhead
     python -m scenarios.h200_vllm.report RAW_DIR OUT_DIR   # -> summary.json (bench/results/h200_vllm_oom_runs.json)
-    python bench/h200_vllm_oom.py [--runs FILE] [--overhead FILE]
+    python -m bench.h200_vllm_oom [--runs FILE] [--overhead FILE]
 
 Figures (keys of BENCHMARKS.md): per scenario, engine deaths without and with SITS, requests
 served with SITS, the first warning's lead over the death in the run without SITS, actions and
@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS, write_result
 from services.decision.domain.kv_model import known_model
@@ -32,7 +29,7 @@ from services.decision.domain.kv_model import known_model
 NAME = "h200_vllm_oom"
 COMMAND = (
     "scenarios/h200_vllm/run_h200.sh scenarios, then overhead (H200); python -m scenarios.h200_vllm.report; "
-    "python bench/h200_vllm_oom.py"
+    "python -m bench.h200_vllm_oom"
 )
 GIB = 1 << 30
 MAX_NUM_SEQS = 128

@@ -23,8 +23,6 @@ import torch
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-
 from kernels import (
     BlockStatsDevice,
     BlockStatsWorkspace,

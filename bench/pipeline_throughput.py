@@ -29,8 +29,8 @@ Two configurations, each with its own stack and raw baseline: the runtime defaul
 the decision with SITS_CONSUMER_MAX_BATCH=5000 (under `configurations`). Each figure is the median of
 `--rounds` rounds. Writes bench/results/pipeline_throughput.json.
 
-Run: .venv/bin/python bench/pipeline_throughput.py [--samples 40000] [--targets 128] [--rounds 3]
-     .venv/bin/python bench/pipeline_throughput.py --profile   (one round, capture and decision under
+Run: .venv/bin/python -m bench.pipeline_throughput [--samples 40000] [--targets 128] [--rounds 3]
+     .venv/bin/python -m bench.pipeline_throughput --profile   (one round, capture and decision under
      cProfile; prints the functions with the most own time, writes no result)
 """
 
@@ -52,8 +52,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -569,7 +567,7 @@ async def run(count: int, targets: int, rounds: int) -> None:
     load = os.getloadavg()
     path = write_result(
         "pipeline_throughput",
-        command=".venv/bin/python bench/pipeline_throughput.py",
+        command=".venv/bin/python -m bench.pipeline_throughput",
         figures={
             **{k: v for k, v in main.items() if not k.startswith("raw_")},
             "samples_per_round": count,

@@ -20,7 +20,7 @@ Baselines in the same run: the raw broker round trip (aiokafka produce → consu
 executor-only reaction (a HealingCommand published straight onto the commands topic → live), plus
 the decision hop (sample published → command seen on the commands topic) as a breakdown.
 
-Run: .venv/bin/python bench/reaction_e2e.py [--samples 60] [--rounds 3]
+Run: .venv/bin/python -m bench.reaction_e2e [--samples 60] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -30,13 +30,10 @@ import asyncio
 import contextlib
 import json
 import os
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
@@ -253,7 +250,7 @@ async def run(samples: int, rounds: int) -> None:
     load = os.getloadavg()
     path = write_result(
         "reaction_e2e",
-        command=".venv/bin/python bench/reaction_e2e.py",
+        command=".venv/bin/python -m bench.reaction_e2e",
         figures={
             "p50_ms": round(median(figures["p50"]), 2),
             "p99_ms": round(median(figures["p99"]), 2),

@@ -1,6 +1,6 @@
 """Reliability figures of issue 7: runs the suite's scenarios once and records what they measured.
 
-    .venv/bin/python bench/reliability.py
+    .venv/bin/python -m bench.reliability
 
 writes bench/results/reliability.json (the BENCHMARKS.md format) and docs/reliability.md (a short table,
 never edited by hand). Needs the local Redis on 127.0.0.1:6379; starts its own Tansu, services and, for the
@@ -10,21 +10,18 @@ Redis outage, its own redis-server. About five minutes on two cores (the 30 s ou
 from __future__ import annotations
 
 import asyncio
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench import reliability_scenarios
 from bench.common import machine, write_result
-from tests.reliability import scenarios
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
-COMMAND = ".venv/bin/python bench/reliability.py"
+COMMAND = ".venv/bin/python -m bench.reliability"
 TOTAL_KEYS = ("sent", "handled", "dead_lettered", "duplicates_applied", "lost")
 
 
@@ -33,10 +30,10 @@ async def run_all(work: Path) -> dict[str, dict[str, Any]]:
         return f"b{uuid.uuid4().hex[:10]}."
 
     results: dict[str, dict[str, Any]] = {}
-    results["crash"] = await scenarios.crash_scenario(work / "crash", REDIS_URL, prefix())
-    results["broker_outage"] = await scenarios.broker_outage_scenario(work / "broker", REDIS_URL, prefix())
-    results["redis_outage"] = await scenarios.redis_outage_scenario(work / "redis", prefix())
-    results["load"] = await scenarios.load_scenario(work / "load", REDIS_URL, prefix())
+    results["crash"] = await reliability_scenarios.crash_scenario(work / "crash", REDIS_URL, prefix())
+    results["broker_outage"] = await reliability_scenarios.broker_outage_scenario(work / "broker", REDIS_URL, prefix())
+    results["redis_outage"] = await reliability_scenarios.redis_outage_scenario(work / "redis", prefix())
+    results["load"] = await reliability_scenarios.load_scenario(work / "load", REDIS_URL, prefix())
     return results
 
 

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from bench.common import write_result
-from tests.reliability.scenarios import ReplicaPlan, replicas_scenario
+from bench.reliability_scenarios import ReplicaPlan, replicas_scenario
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 COMMAND = ".venv/bin/python -m bench.reliability_replicas"

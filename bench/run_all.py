@@ -41,7 +41,7 @@ def main() -> int:
         print(f"    exit {rc} after {time.monotonic() - started:.0f} s", flush=True)
         if rc != 0:
             failures.append(script)
-    subprocess.check_call([sys.executable, str(BENCH / "render_results.py")])
+    subprocess.check_call([sys.executable, "-m", "bench.render_results"], cwd=BENCH.parent)
     if failures:
         print(f"failed or missing: {', '.join(failures)}", file=sys.stderr)
         return 1

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 async def eventually(condition: Callable[[], bool], timeout_s: float = 30.0, interval_s: float = 0.05) -> bool:
@@ -17,3 +20,17 @@ async def eventually(condition: Callable[[], bool], timeout_s: float = 30.0, int
             break
         await asyncio.sleep(interval_s)
     return condition()
+
+
+async def polled_until(
+    read: Callable[[], Awaitable[T]], predicate: Callable[[T], bool], timeout_s: float, interval_s: float
+) -> T:
+    """Read until `predicate` holds of what was read and return it; after `timeout_s`, AssertionError with the last."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await read()
+        if predicate(value):
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"never matched within {timeout_s} s; last: {value}")
+        await asyncio.sleep(interval_s)

@@ -16,12 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sits_mesh.envoy_config import render_bootstrap, to_yaml
+from sits_mesh.policy import load_policy
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(REPO / "mesh" / "envoy-filters"))
-
-from sits_mesh.envoy_config import render_bootstrap, to_yaml  # noqa: E402
-from sits_mesh.policy import load_policy  # noqa: E402
 
 POLICY = HERE / "mesh-policy.yaml"
 OUTPUT = HERE / "envoy.yaml"

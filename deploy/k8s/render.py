@@ -16,12 +16,11 @@ from pathlib import Path
 
 import yaml
 
+from sits_mesh.istio import render_istio_yaml
+from sits_mesh.policy import load_policy
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(REPO / "mesh" / "envoy-filters"))
-
-from sits_mesh.istio import render_istio_yaml  # noqa: E402
-from sits_mesh.policy import load_policy  # noqa: E402
 
 MESH_POLICY = REPO / "mesh" / "policy.yaml"
 RULES = REPO / "deploy" / "prometheus" / "rules" / "sits.rules.yml"

@@ -336,7 +336,7 @@ class Scenario:
                         [
                             sys.executable,
                             "-m",
-                            "scenarios.h200_oom.synthetic_gpu",
+                            "scenarios.h200_oom.gpu_standin",
                             "--bootstrap",
                             self.broker.bootstrap,
                             "--topic-prefix",

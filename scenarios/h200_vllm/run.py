@@ -407,7 +407,7 @@ class Run:
         argv = [
             sys.executable,
             "-m",
-            "scenarios.h200_vllm.cpu_gpu",
+            "scenarios.h200_vllm.gpu_standin",
             "--bootstrap",
             self.broker.bootstrap,
             "--topic-prefix",

@@ -14,13 +14,13 @@ mkdir -p "$OUT/traces"
   nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,mig.mode.current --format=csv
   python3 -c 'import google.protobuf, grpc, torch, pynvml; print("protobuf", google.protobuf.__version__, "grpc", grpc.__version__, "torch", torch.__version__)'
   echo "== oom hook check"
-  timeout 90 python3 scripts/gpu/capture_oom_check.py
+  timeout 90 python3 -m scripts.gpu.capture_oom_check
   for name in plateau linear_oom sawtooth_frag contention; do
     echo "== trace $name"
-    TRACE_SECONDS="${TRACE_SECONDS:-15}" timeout 60 python3 scripts/gpu/capture_record_traces.py "$OUT/traces" "$name"
+    TRACE_SECONDS="${TRACE_SECONDS:-15}" timeout 60 python3 -m scripts.gpu.capture_record_traces "$OUT/traces" "$name"
   done
   echo "== nvml overhead"
-  timeout 120 python3 scripts/gpu/capture_nvml_overhead.py "$OUT/capture_overhead_raw.json" "${NVML_SECONDS:-30}"
+  timeout 120 python3 -m scripts.gpu.capture_nvml_overhead "$OUT/capture_overhead_raw.json" "${NVML_SECONDS:-30}"
   date -u +%Y-%m-%dT%H:%M:%SZ
 } 2>&1 | tee "$OUT/capture_h200.log"
 tar -C "$OUT" -czf "$OUT/traces.tar.gz" traces && rm -rf "$OUT/traces"

@@ -1,6 +1,6 @@
 """H200: where capture's NVML sampling CPU goes at 100 Hz (issue 3's unexplained share).
 
-Usage: python scripts/gpu/capture_nvml_breakdown.py OUT_JSON [seconds] [hz]
+Usage: python -m scripts.gpu.capture_nvml_breakdown OUT_JSON [seconds] [hz]
 
 Each variant runs for `seconds` and reports CPU % of one core; the thread variants count only
 the sampling thread's own CPU (`time.thread_time`):
@@ -20,8 +20,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from scripts.gpu.capture_nvml_overhead import consume_source, thread_loop
 from services.capture.sources.nvml import NvmlSource, reading_to_sample

@@ -1,6 +1,6 @@
 """H200: CPU cost of capture's NVML sampling at 10 Hz and 100 Hz.
 
-Usage: python scripts/gpu/capture_nvml_overhead.py OUT_JSON [seconds]
+Usage: python -m scripts.gpu.capture_nvml_overhead OUT_JSON [seconds]
 
 Runs capture's real `NvmlSource` (asyncio loop, NVML v2 memory + utilization +
 per-process memory, conversion to sits.v1.MetricSample) alone in this process
@@ -28,8 +28,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from services.capture.sources.nvml_reader import NvmlReader
 

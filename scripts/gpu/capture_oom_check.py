@@ -23,8 +23,6 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from services.capture.oom_hook.hook import HookConfig, OomHook
 from services.capture.oom_hook.spool import spooled_events
 

@@ -1,6 +1,6 @@
 """H200: record SITS trace v1 files of four memory patterns for replay.
 
-Usage: python scripts/gpu/capture_record_traces.py OUT_DIR NAME
+Usage: python -m scripts.gpu.capture_record_traces OUT_DIR NAME
 
 (a) plateau       - weights + a preallocated KV pool, then matmul steps with
                     transient activations: an inference-like plateau.
@@ -31,8 +31,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from services.capture.oom_hook.hook import HookConfig, OomHook
 from services.capture.oom_hook.spool import spooled_events

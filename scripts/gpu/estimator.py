@@ -7,7 +7,7 @@ compares torch.cuda.max_memory_allocated / max_memory_reserved and NVML's
 process memory with `services.decision.estimator`.
 
 Run on the GPU machine from the repository root:
-    python3 scripts/gpu/estimator.py --out "$OUT/estimator_validation.json"
+    python3 -m scripts.gpu.estimator --out "$OUT/estimator_validation.json"
 """
 
 from __future__ import annotations
@@ -17,12 +17,9 @@ import gc
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
-
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 import torch
 import torch.nn.functional as F

@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --fo
 python3 -m pytest tests/kernels/test_kernels_gpu.py -m gpu -q --noconftest -p no:cacheprovider -o addopts="" \
   2>&1 | tee -a "$out/kernels_gpu.log"
 tests_rc=${PIPESTATUS[0]}
-python3 bench/kernels_h200.py --out "$out" "$@" 2>&1 | tee -a "$out/kernels_gpu.log"
+python3 -m bench.kernels_h200 --out "$out" "$@" 2>&1 | tee -a "$out/kernels_gpu.log"
 bench_rc=${PIPESTATUS[0]}
 echo "tests rc=$tests_rc bench rc=$bench_rc"
 exit $(( tests_rc != 0 || bench_rc != 0 ))

@@ -1,6 +1,6 @@
 """Read MIG profiles and placements from NVML (READ-ONLY) and compare them with the built-in table.
 
-Run on the GPU machine from the repository root:  python3 scripts/gpu/mig_profiles.py [--device 0]
+Run on the GPU machine from the repository root:  python3 -m scripts.gpu.mig_profiles [--device 0]
 It prints a JSON report and, when $OUT is set, also writes it to $OUT/mig_profiles.json.
 Only read-only NVML calls are made: the MIG mode and layout are never changed.
 """
@@ -10,10 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from services.executor.mig.nvml_profiles import read_profiles_from_nvml
 from services.executor.mig.profiles import (

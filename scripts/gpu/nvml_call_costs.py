@@ -1,6 +1,6 @@
 """H200: CPU per NVML call kind when sampled periodically (not in a tight loop).
 
-Usage: python scripts/gpu/nvml_call_costs.py [seconds_per_variant] [hz]
+Usage: python -m scripts.gpu.nvml_call_costs [seconds_per_variant] [hz]
 
 A tight loop of NVML reads keeps caches warm and hides what one read costs
 when it comes alone every 10 ms, which is how capture samples. Each variant

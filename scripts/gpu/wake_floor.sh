@@ -16,7 +16,7 @@ fi
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
   for mode in 0 1 0 1; do build/wake_floor/wake_floor 100 "$seconds" "$mode"; done
   build/wake_floor/wake_floor 10 "$seconds" 1
-  PYTHONPATH="$PWD" python3 scripts/gpu/nvml_call_costs.py "$seconds" 100
+  PYTHONPATH="$PWD" python3 -m scripts.gpu.nvml_call_costs "$seconds" 100
 } 2>&1 | tee "$out/wake_floor.log"
 PYTHONPATH="$PWD" python3 - "$out" <<'PY'
 import datetime as dt

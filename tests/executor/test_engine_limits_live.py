@@ -12,21 +12,12 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from services.executor.adapters.engine import EngineControlClient, EngineRejected
 from sits.stack.vllm_engine import VllmServer
 from tests.executor.engine_streams import run_stream, start_streams
+from tests.waiting import polled_until
 
 pytestmark = pytest.mark.vllm
 
 STREAMS = 40
 MAX_TOKENS = 200
-
-
-async def _wait_for(predicate_state, control: EngineControlClient, timeout_s: float = 30.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = await control.state()
-        if predicate_state(state):
-            return state
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"engine state never matched; last: {state}")
 
 
 async def test_cap_to_one_and_back_under_saturation_completes_every_stream(
@@ -42,7 +33,7 @@ async def test_cap_to_one_and_back_under_saturation_completes_every_stream(
             engine.address, STREAMS, prompt_len=24, max_tokens=MAX_TOKENS, prefix="p2-sat"
         )
         try:
-            full = await _wait_for(lambda s: s.running >= ceiling // 2, control)
+            full = await polled_until(control.state, lambda s: s.running >= ceiling // 2, 30.0, 0.02)
             lowered = await control.set_limits({"max_num_running_reqs": 1})
             assert lowered.applied, "the cap must be applied by the next engine step"
             assert lowered.applied_at_step > full.step
@@ -63,7 +54,7 @@ async def test_cap_to_one_and_back_under_saturation_completes_every_stream(
             assert observed_steps[-1] > observed_steps[0], "the engine must keep making progress under cap 1"
             raised = await control.set_limits({"max_num_running_reqs": ceiling})
             assert raised.limits.max_num_running_reqs == ceiling
-            await _wait_for(lambda s: s.running > 1 or (s.running + s.waiting) == 0, control)
+            await polled_until(control.state, lambda s: s.running > 1 or (s.running + s.waiting) == 0, 30.0, 0.02)
             outcomes = await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
         finally:
             for task in tasks:
@@ -87,7 +78,7 @@ async def test_pause_holds_new_streams_and_resume_releases_them(engine_limits_re
         assert paused.limits.admission_paused
         channel, tasks = await start_streams(engine.address, 3, prompt_len=16, max_tokens=8, prefix="p1-pause")
         try:
-            held = await _wait_for(lambda s: s.waiting == 3, control)
+            held = await polled_until(control.state, lambda s: s.waiting == 3, 30.0, 0.02)
             assert held.running == 0
             await asyncio.sleep(0.3)
             still = await control.state()

@@ -6,18 +6,18 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from services.executor.adapters.engine import EngineControlClient
-from sits.runtime import engine_control as protocol
 from sits.stack.vllm_engine import VllmServer
 from sits_mesh.envoy_process import EnvoyProcess
 from sits_mesh.policy import Endpoint, MeshPolicy, Overload
 from tests.executor.engine_streams import run_stream, start_streams
+from tests.fixtures.vllm import engine_state
+from tests.waiting import polled_until
 
 pytestmark = pytest.mark.vllm
 
@@ -36,25 +36,6 @@ async def own_engine(random_llama_dir: Path, tmp_path_factory: pytest.TempPathFa
         yield server
 
 
-async def engine_state(address: str) -> dict[str, Any]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        get = channel.unary_unary(
-            protocol.GET_STATE, request_serializer=protocol.encode, response_deserializer=protocol.decode
-        )
-        state: dict[str, Any] = await get({}, timeout=30)
-        return state
-
-
-async def until(predicate, address: str, timeout_s: float = 60.0) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = await engine_state(address)
-        if predicate(state):
-            return state
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the engine never got there; last state: {state}")
-
-
 async def test_a_p0_request_preempts_the_newest_lowest_tier_request_when_the_running_set_is_full(
     own_engine: VllmServer,
 ) -> None:
@@ -69,7 +50,10 @@ async def test_a_p0_request_preempts_the_newest_lowest_tier_request_when_the_run
     channel, lows = await start_streams(engine.address, 10, prompt_len=24, max_tokens=400, prefix="p2-full")
     try:
         try:
-            full = await until(lambda s: s["running"] == 2 and s["waiting"] >= 2, engine.control_address)
+            address = engine.control_address
+            full = await polled_until(
+                lambda: engine_state(address), lambda s: s["running"] == 2 and s["waiting"] >= 2, 60.0, 0.05
+            )
         except AssertionError as err:
             streams = [
                 repr(t.exception()) if t.exception() else (len(t.result().tokens), t.result().finish_reason)

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.reliability_harness import read_topics
 from sits.fleet.sim import Fleet, load_frames, trace_paths
 from sits.runtime.bus import partition_of
 from sits.runtime.events import Topics, target_key
 from sits.runtime.settings import Settings
 from sits.stack.tansu import TansuBroker
 from sits.v1 import events_pb2
-from tests.reliability.harness import read_topics
 
 
 class Collect:

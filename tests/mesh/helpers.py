@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,6 +20,8 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from sits.v1 import decision_pb2, decision_pb2_grpc
 from sits_mesh.admission import kv_reason
+from sits_mesh.envoy_process import validate_config
+from sits_mesh.policy import MeshPolicy
 
 GENERATE_PATH = "/vllm.grpc.engine.VllmEngine/Generate"
 _ids = itertools.count()
@@ -232,3 +236,64 @@ async def wait_for_stat(envoy: object, name: str, at_least: int, timeout_s: floa
         await asyncio.sleep(0.1)
         value = await envoy.stat(name)
     return value
+
+
+UPSTREAM_PAUSES = "cluster.vllm_p0.upstream_flow_control_paused_reading_total"
+UPSTREAM_READ_BYTES = "cluster.vllm_p0.upstream_cx_rx_bytes_total"
+
+
+async def stall_until_envoy_pauses(envoy: Any, reader: SlowReader, timeout_s: float = 120.0) -> tuple[int, int]:
+    """Read without acknowledging until Envoy pauses reading from vLLM: (pauses, bytes Envoy read from vLLM)."""
+    paused = 0
+    # Seconds normally; generous because the shared CI machine can be very slow.
+    deadline = time.monotonic() + timeout_s
+    while paused < 1 and time.monotonic() < deadline:
+        await reader.pump(0.3, acknowledge=False)
+        paused = await envoy.stat(UPSTREAM_PAUSES)
+    return paused, await envoy.stat(UPSTREAM_READ_BYTES)
+
+
+async def upstream_read_once_settled(envoy: Any, reader: SlowReader, settle_s: float = 30.0) -> tuple[int, int]:
+    """Bytes Envoy read from vLLM before and after the last second of a still-stalled client.
+
+    What vLLM had already sent into its stream window can still land after the first pause (a slow
+    engine sends it over seconds), so this waits, up to `settle_s`, for a whole second with nothing
+    read; the two are equal once it came.
+    """
+    read_while_paused = await envoy.stat(UPSTREAM_READ_BYTES)
+    settle_by = time.monotonic() + settle_s
+    while True:
+        await reader.pump(1.0, acknowledge=False)
+        read_now = await envoy.stat(UPSTREAM_READ_BYTES)
+        if read_now == read_while_paused or time.monotonic() > settle_by:
+            return read_while_paused, read_now
+        read_while_paused = read_now
+
+
+def policy_with_pressure_file(data: dict[str, Any], tmp_path: Path) -> MeshPolicy:
+    """A policy from `data` whose overload pressure file exists (Envoy's validate insists on it)."""
+    pressure = tmp_path / "gpu_pressure"
+    pressure.write_text("0")
+    return MeshPolicy.model_validate({**data, "overload": {"pressure_file": str(pressure)}})
+
+
+def manager_of(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    """The listener's HTTP connection manager config in a rendered bootstrap."""
+    manager: dict[str, Any] = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"
+    ]
+    return manager
+
+
+def apply_bootstrap_patches(bootstrap: dict[str, Any], clusters: dict[str, Any]) -> None:
+    """Merge the Istio cluster resource's BOOTSTRAP patches into `bootstrap`, as the sidecar would."""
+    for patch in clusters["spec"]["configPatches"]:
+        if patch["applyTo"] == "BOOTSTRAP":
+            bootstrap.update(patch["patch"]["value"])
+
+
+def envoy_validate(config_yaml: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """`envoy --mode validate` of `config_yaml`, written to tmp_path/envoy.yaml; the caller checks the result."""
+    path = tmp_path / "envoy.yaml"
+    path.write_text(config_yaml)
+    return validate_config(path)

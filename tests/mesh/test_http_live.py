@@ -12,19 +12,25 @@ import time
 from functools import cache
 from typing import Any
 
-import grpc
 import httpx
 import openai
 import pytest
 from tokenizers import Tokenizer
 
 from sits.demo.load import LoadDriver, LoadShape
-from sits.runtime import engine_control as protocol
 from sits.stack.tokenizer import training_text
 from sits.stack.vllm_engine import SERVED_MODEL_NAME, VllmOpenAIServer, make_random_llama
 from sits_mesh.envoy_config import breaker_key
+from tests.fixtures.vllm import engine_state
 from tests.mesh.conftest import MeshStack, StartMesh
-from tests.mesh.helpers import KV_BYTES_PER_TOKEN, KvRuleDecision, SlowReader, wait_for_stat
+from tests.mesh.helpers import (
+    KV_BYTES_PER_TOKEN,
+    KvRuleDecision,
+    SlowReader,
+    stall_until_envoy_pauses,
+    upstream_read_once_settled,
+    wait_for_stat,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.envoy, pytest.mark.timeout(900)]
 
@@ -40,15 +46,6 @@ def tokenizer() -> Tokenizer:
 def client(base_url: str, **kwargs: Any) -> openai.AsyncOpenAI:
     # No retries: every test looks at the first answer (the client retries 429 and 5xx by default).
     return openai.AsyncOpenAI(base_url=base_url, api_key=kwargs.pop("api_key", "none"), max_retries=0, **kwargs)
-
-
-async def engine_state(address: str) -> dict[str, Any]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        get = channel.unary_unary(
-            protocol.GET_STATE, request_serializer=protocol.encode, response_deserializer=protocol.decode
-        )
-        state: dict[str, Any] = await get({}, timeout=30)
-        return state
 
 
 async def test_the_routed_tier_header_decides_the_tier_in_the_engine(openai_engine: VllmOpenAIServer) -> None:
@@ -273,22 +270,10 @@ async def test_a_client_that_stops_reading_an_event_stream_stays_bounded(start_h
     reader = SlowReader(stack.address, window=client_window)
     await reader.post("/v1/completions", [("content-type", "application/json"), ("x-sits-priority", "p0")], body)
     try:
-        paused = 0
-        deadline = time.monotonic() + 120
-        while paused < 1 and time.monotonic() < deadline:
-            await reader.pump(0.3, acknowledge=False)
-            paused = await envoy.stat("cluster.vllm_p0.upstream_flow_control_paused_reading_total")
-        read = await envoy.stat("cluster.vllm_p0.upstream_cx_rx_bytes_total")
+        paused, read = await stall_until_envoy_pauses(envoy, reader)
         assert paused >= 1, f"Envoy never paused reading from vLLM (read {read} bytes): {reader.tail!r}"
         assert reader.received <= client_window
-        read_while_paused = await envoy.stat("cluster.vllm_p0.upstream_cx_rx_bytes_total")
-        settle_by = time.monotonic() + 30
-        while True:
-            await reader.pump(1.0, acknowledge=False)
-            read_now = await envoy.stat("cluster.vllm_p0.upstream_cx_rx_bytes_total")
-            if read_now == read_while_paused or time.monotonic() > settle_by:
-                break
-            read_while_paused = read_now
+        read_while_paused, read_now = await upstream_read_once_settled(envoy, reader)
         assert read_now == read_while_paused, "Envoy kept reading from vLLM for 30 s after pausing"
         # The client's window and Envoy's few buffers of `buffer_limit` (downstream codec and
         # connection, upstream connection), plus one socket read.

@@ -24,6 +24,8 @@ from tests.mesh.helpers import (
     generate,
     generate_request,
     read_stream,
+    stall_until_envoy_pauses,
+    upstream_read_once_settled,
     wait_for_stat,
 )
 
@@ -48,27 +50,12 @@ async def test_a_client_that_stops_reading_is_bounded_by_the_windows(start_mesh:
     reader = SlowReader(stack.address, window=client_window)
     await reader.open(request)
     try:
-        paused = 0
-        # Seconds normally; generous because the shared CI machine can be very slow.
-        deadline = time.monotonic() + 120
-        while paused < 1 and time.monotonic() < deadline:
-            await reader.pump(0.3, acknowledge=False)
-            paused = await envoy.stat("cluster.vllm_p0.upstream_flow_control_paused_reading_total")
-        read = await envoy.stat("cluster.vllm_p0.upstream_cx_rx_bytes_total")
+        paused, read = await stall_until_envoy_pauses(envoy, reader)
         assert paused >= 1, f"Envoy never paused reading from vLLM (read {read} bytes) for a stalled client"
         assert reader.received <= client_window
         # While paused, what Envoy has read from vLLM stays bounded by the windows and buffers,
-        # and stops growing even though vLLM has more to send. What vLLM had already sent into
-        # its stream window can still land after the first pause (a slow engine sends it over
-        # seconds), so wait until a whole second passes with nothing read.
-        read_while_paused = await envoy.stat("cluster.vllm_p0.upstream_cx_rx_bytes_total")
-        settle_by = time.monotonic() + 30
-        while True:
-            await reader.pump(1.0, acknowledge=False)
-            read_now = await envoy.stat("cluster.vllm_p0.upstream_cx_rx_bytes_total")
-            if read_now == read_while_paused or time.monotonic() > settle_by:
-                break
-            read_while_paused = read_now
+        # and stops growing even though vLLM has more to send.
+        read_while_paused, read_now = await upstream_read_once_settled(envoy, reader)
         assert read_now == read_while_paused, "Envoy kept reading from vLLM for 30 s after pausing"
         # The client's window, vLLM's stream window into Envoy, and Envoy's few buffers of
         # `buffer_limit` on the path (downstream codec and connection, upstream codec and connection).

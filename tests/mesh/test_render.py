@@ -23,9 +23,10 @@ from sits_mesh.envoy_config import (
     render_bootstrap,
     render_bootstrap_yaml,
 )
-from sits_mesh.envoy_process import EnvoyProcess, validate_config
+from sits_mesh.envoy_process import EnvoyProcess
 from sits_mesh.istio import render_istio, render_istio_yaml
 from sits_mesh.policy import MeshPolicy, load_policy
+from tests.mesh.helpers import apply_bootstrap_patches, envoy_validate, manager_of, policy_with_pressure_file
 
 pytestmark = pytest.mark.envoy
 
@@ -52,18 +53,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _with_pressure_file(data: dict[str, Any], tmp_path: Path) -> MeshPolicy:
-    pressure = tmp_path / "gpu_pressure"
-    pressure.write_text("0")
-    return MeshPolicy.model_validate({**data, "overload": {"pressure_file": str(pressure)}})
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_generated_config_passes_envoy_validate(variant: str, tmp_path: Path) -> None:
-    policy = _with_pressure_file(VARIANTS[variant], tmp_path)
-    path = tmp_path / "envoy.yaml"
-    path.write_text(render_bootstrap_yaml(policy))
-    result = validate_config(path)
+    policy = policy_with_pressure_file(VARIANTS[variant], tmp_path)
+    result = envoy_validate(render_bootstrap_yaml(policy), tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout + result.stderr
 
@@ -74,17 +67,15 @@ def test_the_shipped_policy_renders_to_a_valid_config(tmp_path: Path) -> None:
     pressure.write_text("0")
     overload = shipped.overload.model_copy(update={"pressure_file": str(pressure)})
     policy = shipped.model_copy(update={"overload": overload})
-    path = tmp_path / "envoy.yaml"
-    path.write_text(render_bootstrap_yaml(policy))
-    result = validate_config(path)
+    result = envoy_validate(render_bootstrap_yaml(policy), tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_a_broken_config_is_refused_by_validate(tmp_path: Path) -> None:
     # Guards the guard: validate really checks (the priority_load_shed filter is not in 1.40).
-    policy = _with_pressure_file({}, tmp_path)
+    policy = policy_with_pressure_file({}, tmp_path)
     bootstrap = render_bootstrap(policy)
-    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    manager = manager_of(bootstrap)
     manager["http_filters"].insert(
         0,
         {
@@ -94,9 +85,7 @@ def test_a_broken_config_is_refused_by_validate(tmp_path: Path) -> None:
             },
         },
     )
-    path = tmp_path / "envoy.yaml"
-    path.write_text(yaml.safe_dump(bootstrap))
-    assert validate_config(path).returncode != 0
+    assert envoy_validate(yaml.safe_dump(bootstrap), tmp_path).returncode != 0
 
 
 def test_flow_control_is_explicit_on_listener_and_clusters() -> None:
@@ -144,18 +133,14 @@ def test_istio_output_carries_the_same_limits() -> None:
 
 def test_the_istio_patches_are_valid_envoy_config(tmp_path: Path) -> None:
     # The EnvoyFilter values are Envoy API objects: put them into a bootstrap and let Envoy judge.
-    policy = _with_pressure_file({}, tmp_path)
+    policy = policy_with_pressure_file({}, tmp_path)
     bootstrap = render_bootstrap(policy)
     http_filters, clusters, _ = render_istio(policy)
-    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    manager = manager_of(bootstrap)
     patched = [p["patch"]["value"] for p in http_filters["spec"]["configPatches"] if p["applyTo"] == "HTTP_FILTER"]
     manager["http_filters"] = [*patched, manager["http_filters"][-1]]
-    for patch in clusters["spec"]["configPatches"]:
-        if patch["applyTo"] == "BOOTSTRAP":
-            bootstrap.update(patch["patch"]["value"])
-    path = tmp_path / "envoy.yaml"
-    path.write_text(yaml.safe_dump(bootstrap))
-    result = validate_config(path)
+    apply_bootstrap_patches(bootstrap, clusters)
+    result = envoy_validate(yaml.safe_dump(bootstrap), tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

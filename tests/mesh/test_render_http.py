@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from sits_mesh.envoy_config import EXT_PROC_FILTER, local_reply_config, render_bootstrap, render_bootstrap_yaml
-from sits_mesh.envoy_process import validate_config
 from sits_mesh.istio import render_istio
 from sits_mesh.policy import MeshPolicy
+from tests.mesh.helpers import apply_bootstrap_patches, envoy_validate, manager_of, policy_with_pressure_file
 
 pytestmark = pytest.mark.envoy
 
@@ -29,29 +29,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def policy_for(data: dict[str, Any], tmp_path: Path) -> MeshPolicy:
-    pressure = tmp_path / "gpu_pressure"
-    pressure.write_text("0")
-    return MeshPolicy.model_validate({**data, "overload": {"pressure_file": str(pressure)}})
-
-
-def manager_of(bootstrap: dict[str, Any]) -> dict[str, Any]:
-    manager: dict[str, Any] = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
-        "typed_config"
-    ]
-    return manager
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_http_config_passes_envoy_validate(variant: str, tmp_path: Path) -> None:
-    path = tmp_path / "envoy.yaml"
-    path.write_text(render_bootstrap_yaml(policy_for(VARIANTS[variant], tmp_path)))
-    result = validate_config(path)
+    result = envoy_validate(render_bootstrap_yaml(policy_with_pressure_file(VARIANTS[variant], tmp_path)), tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_tenant_keys_decide_the_tier_and_the_clients_tier_header_matches_nothing(tmp_path: Path) -> None:
-    bootstrap = render_bootstrap(policy_for(VARIANTS["openai_tenants"], tmp_path))
+    bootstrap = render_bootstrap(policy_with_pressure_file(VARIANTS["openai_tenants"], tmp_path))
     manager = manager_of(bootstrap)
     assert manager["codec_type"] == "AUTO"
     routes = manager["route_config"]["virtual_hosts"][0]["routes"]
@@ -87,7 +72,7 @@ def test_local_replies_are_openai_errors_with_retry_after_for_shedding_and_overl
 
 @pytest.mark.parametrize("variant", ["openai", "openai_tenants"])
 def test_the_http_istio_patches_are_valid_envoy_config(variant: str, tmp_path: Path) -> None:
-    policy = policy_for(VARIANTS[variant], tmp_path)
+    policy = policy_with_pressure_file(VARIANTS[variant], tmp_path)
     http_filters, clusters, rule = render_istio(policy)
     bootstrap = render_bootstrap(policy)
     manager = manager_of(bootstrap)
@@ -107,10 +92,6 @@ def test_the_http_istio_patches_are_valid_envoy_config(variant: str, tmp_path: P
     manager.update({k: v for k, v in merged.items() if k != "@type"})
     for cluster in bootstrap["static_resources"]["clusters"][:3]:
         cluster.update({k: v for k, v in engine.items()})
-    for patch in clusters["spec"]["configPatches"]:
-        if patch["applyTo"] == "BOOTSTRAP":
-            bootstrap.update(patch["patch"]["value"])
-    path = tmp_path / "envoy.yaml"
-    path.write_text(yaml.safe_dump(bootstrap))
-    result = validate_config(path)
+    apply_bootstrap_patches(bootstrap, clusters)
+    result = envoy_validate(yaml.safe_dump(bootstrap), tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from bench import reliability_harness as h
 from sits.runtime.events import Topics
 from sits.stack.embedded import EmbeddedStack
-from tests.reliability import harness as h
 
 MAX_MESSAGE_BYTES = 64 * 1024
 

@@ -9,15 +9,14 @@ from typing import Any, cast
 import grpc
 import pytest
 
+from bench import reliability_harness as h
 from sits.v1 import (
-    capture_pb2_grpc,
     decision_pb2,
-    decision_pb2_grpc,
     events_pb2,
     executor_pb2,
     executor_pb2_grpc,
 )
-from tests.reliability import harness as h
+from tests.reliability.service_stubs import service_stubs
 
 BAD_CREDENTIALS = {
     "none": (),
@@ -44,14 +43,8 @@ async def test_mutating_calls_without_valid_credentials_are_unauthenticated_and_
     rs = api_stack
     metadata = BAD_CREDENTIALS[credentials]
     before = await _state(rs)
-    async with (
-        grpc.aio.insecure_channel(rs.stack.address_of("capture")) as capture_channel,
-        grpc.aio.insecure_channel(rs.stack.address_of("decision")) as decision_channel,
-        grpc.aio.insecure_channel(rs.stack.address_of("executor")) as executor_channel,
-    ):
-        capture = capture_pb2_grpc.CaptureStub(capture_channel)
-        decision = decision_pb2_grpc.DecisionStub(decision_channel)
-        executor = executor_pb2_grpc.ExecutorStub(executor_channel)
+    async with service_stubs(rs.stack) as stubs:
+        capture, decision, executor = stubs.capture, stubs.decision, stubs.executor
         policy_before = await decision.GetPolicy(decision_pb2.GetPolicyRequest(), timeout=5)
         calls = {
             "Capture/ReportOom": capture.ReportOom(

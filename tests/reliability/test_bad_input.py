@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from bench import reliability_harness as h
 from services.capture.spool import RecordKind, Spool, SpoolRecord
 from services.capture.traces import TraceFormatError, read_trace
 from services.decision.domain.policy import PolicyError, parse_policy
@@ -31,19 +32,15 @@ from sits.runtime.events import DLQ_REASON_HEADER, EVENT_TYPES, EnvelopeError, T
 from sits.runtime.settings import Settings
 from sits.v1 import (
     capture_pb2,
-    capture_pb2_grpc,
     common_pb2,
     decision_pb2,
-    decision_pb2_grpc,
     events_pb2,
     executor_pb2,
-    executor_pb2_grpc,
     validator_pb2,
-    validator_pb2_grpc,
 )
-from tests.reliability import harness as h
 from tests.reliability.conftest import MAX_MESSAGE_BYTES
 from tests.reliability.protofuzz import messages
+from tests.reliability.service_stubs import service_stubs
 from tests.waiting import eventually
 
 TYPE_NAMES = sorted(EVENT_TYPES)
@@ -262,16 +259,8 @@ async def test_every_grpc_method_answers_fuzzed_requests_with_a_status_and_a_rea
     rs = api_stack
     names = [*rs.engines, rs.host, "GPU-rel-0", "vllm-0"]
     auth = (("authorization", f"Bearer {rs.token}"),)
-    async with (
-        grpc.aio.insecure_channel(rs.stack.address_of("capture")) as cap,
-        grpc.aio.insecure_channel(rs.stack.address_of("decision")) as dec,
-        grpc.aio.insecure_channel(rs.stack.address_of("executor")) as exe,
-        grpc.aio.insecure_channel(rs.stack.address_of("validator")) as val,
-    ):
-        capture = capture_pb2_grpc.CaptureStub(cap)
-        decision = decision_pb2_grpc.DecisionStub(dec)
-        executor = executor_pb2_grpc.ExecutorStub(exe)
-        validator = validator_pb2_grpc.ValidatorStub(val)
+    async with service_stubs(rs.stack) as stubs:
+        capture, decision, executor, validator = stubs.capture, stubs.decision, stubs.executor, stubs.validator
         methods: dict[str, tuple[Any, type[Message]]] = {
             "Capture/ReportOom": (capture.ReportOom, events_pb2.OomEvent),
             "Capture/GetSnapshot": (capture.GetSnapshot, capture_pb2.GetSnapshotRequest),
@@ -305,8 +294,8 @@ async def test_every_grpc_method_answers_fuzzed_requests_with_a_status_and_a_rea
         # Range checks really ran: every mutating or checking method refused something.
         for method in ("Capture/ReportOom", "Decision/Admit", "Executor/Apply", "Validator/ListVerdicts"):
             assert outcomes[method].get("INVALID_ARGUMENT", 0) > 0, outcomes
-        for channel, service in ((cap, "Capture"), (dec, "Decision"), (exe, "Executor"), (val, "Validator")):
-            health = health_pb2_grpc.HealthStub(channel)
+        for service in ("Capture", "Decision", "Executor", "Validator"):
+            health = health_pb2_grpc.HealthStub(stubs.channels[service.lower()])
             reply = await health.Check(health_pb2.HealthCheckRequest(service=f"sits.v1.{service}"), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -316,21 +305,15 @@ async def test_oversized_messages_are_refused(api_stack: h.ReliabilityStack) -> 
     rs = api_stack
     auth = (("authorization", f"Bearer {rs.token}"),)
     big = "x" * (MAX_MESSAGE_BYTES + 1)
-    async with (
-        grpc.aio.insecure_channel(rs.stack.address_of("capture")) as cap,
-        grpc.aio.insecure_channel(rs.stack.address_of("executor")) as exe,
-        grpc.aio.insecure_channel(rs.stack.address_of("decision")) as dec,
-    ):
+    async with service_stubs(rs.stack) as stubs:
         oom = h.oom_event(rs.target(0), time.time())
         oom.message = big
         command = h.pressure_command(rs.target(0), 0.5, 60)
         command.reason = big
         calls = [
-            capture_pb2_grpc.CaptureStub(cap).ReportOom(oom, metadata=auth, timeout=5),
-            executor_pb2_grpc.ExecutorStub(exe).Apply(command, metadata=auth, timeout=5),
-            decision_pb2_grpc.DecisionStub(dec).PutPolicy(
-                decision_pb2.PutPolicyRequest(yaml=big), metadata=auth, timeout=5
-            ),
+            stubs.capture.ReportOom(oom, metadata=auth, timeout=5),
+            stubs.executor.Apply(command, metadata=auth, timeout=5),
+            stubs.decision.PutPolicy(decision_pb2.PutPolicyRequest(yaml=big), metadata=auth, timeout=5),
         ]
         for call in calls:
             with pytest.raises(grpc.aio.AioRpcError) as refused:

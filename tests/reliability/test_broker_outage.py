@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.scenarios import broker_outage_scenario
+from bench.reliability_scenarios import broker_outage_scenario
 
 
 @pytest.mark.slow

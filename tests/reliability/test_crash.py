@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.scenarios import CrashPlan, crash_scenario
+from bench.reliability_scenarios import CrashPlan, crash_scenario
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.scenarios import LoadPlan, load_scenario
+from bench.reliability_scenarios import LoadPlan, load_scenario
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.scenarios import redis_outage_scenario
+from bench.reliability_scenarios import redis_outage_scenario
 
 
 @pytest.mark.slow

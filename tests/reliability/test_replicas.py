@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.scenarios import ReplicaPlan, replicas_scenario
+from bench.reliability_scenarios import ReplicaPlan, replicas_scenario
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from bench import reliability_harness as h
 from sits.runtime.bus import EventProducer
 from sits.runtime.grpc_tls import aio_channel, channel_credentials
 from sits.runtime.grpcserver import bearer_metadata
@@ -26,7 +27,6 @@ from sits.stack.embedded import EmbeddedStack
 from sits.v1 import capture_pb2_grpc, decision_pb2, decision_pb2_grpc
 from sits_mesh.pressure import read_pressure
 from tests.fixtures.otlp import OtlpReceiver
-from tests.reliability import harness as h
 from tests.security.conftest import PrivateRedis
 from tests.waiting import eventually
 

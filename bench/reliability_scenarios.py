@@ -20,13 +20,13 @@ from typing import Any, cast
 
 import grpc
 
+from bench import reliability_harness as h
 from sits.runtime.bus import EventProducer, ensure_topics
 from sits.runtime.events import Topics
 from sits.runtime.grpcserver import bearer_metadata
 from sits.runtime.procs import ManagedProcess, free_port, port_open
 from sits.stack.embedded import SERVICES, EmbeddedStack
 from sits.v1 import events_pb2, executor_pb2_grpc
-from tests.reliability import harness as h
 
 Figures = dict[str, Any]
 

@@ -1,4 +1,4 @@
-"""CPU dry runs only: GPU memory samples for a GPU that is not there, so the loop can be exercised end to end.
+"""A STAND-IN for NVML, CPU dry runs only: memory samples of a GPU that is not there, so the loop runs end to end.
 
 Publishes NVML-shaped MetricSamples (source kind REPLAY, so nobody takes them
 for a measurement) for the engine's target at `--hz`: flat at `--base` of the

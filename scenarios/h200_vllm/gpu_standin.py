@@ -1,4 +1,4 @@
-"""CPU rehearsal only: NVML-shaped samples of a GPU that is not there, so the loop runs end to end.
+"""A STAND-IN for NVML, CPU rehearsal only: samples of a GPU that is not there, so the loop runs end to end.
 
 The rehearsal checks the wiring (engine with the plugin, capture, decision, executor, validator,
 the step-budget rules and their commands), not the physics: nothing can run out of memory on

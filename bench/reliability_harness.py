@@ -39,7 +39,7 @@ from sits.stack.embedded import EmbeddedStack, StackConfig
 from sits.v1 import common_pb2, events_pb2
 
 GIB = 1 << 30
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 EXECUTOR_REDIS_PREFIX = "sits:executor:"
 # What the executor writes for an action that took effect (a rollback's own effect is ROLLED_BACK).
 EFFECT_STATUSES = frozenset({events_pb2.ACTION_STATUS_APPLIED, events_pb2.ACTION_STATUS_ROLLED_BACK})
