@@ -18,6 +18,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from services.validator.probes import LiveProbes
 from sits.demo.load import LoadDriver, LoadShape
 from sits.runtime import engine_control as protocol
 from sits.stack.tokenizer import training_text
@@ -49,6 +50,14 @@ async def engine_state(address: str) -> dict[str, Any]:
         )
         state: dict[str, Any] = await get({}, timeout=30)
         return state
+
+
+async def test_the_validator_probes_the_openai_engines_health(openai_engine: VllmOpenAIServer) -> None:
+    probes = LiveProbes({"vllm-0": f"http://{openai_engine.address}"}, timeout_s=10.0)
+    try:
+        assert await probes.engine_healthy("host/GPU-0//vllm-0") is True
+    finally:
+        await probes.close()
 
 
 async def test_the_routed_tier_header_decides_the_tier_in_the_engine(openai_engine: VllmOpenAIServer) -> None:
