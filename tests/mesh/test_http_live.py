@@ -18,6 +18,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from services.executor.adapters.engine import EngineControlClient
 from services.validator.probes import LiveProbes
 from sits.demo.load import LoadDriver, LoadShape
 from sits.runtime import engine_control as protocol
@@ -58,6 +59,16 @@ async def test_the_validator_probes_the_openai_engines_health(openai_engine: Vll
         assert await probes.engine_healthy("host/GPU-0//vllm-0") is True
     finally:
         await probes.close()
+
+
+async def test_the_executor_flushes_the_openai_engines_prefix_cache_through_the_plugin(
+    openai_engine: VllmOpenAIServer,
+) -> None:
+    assert openai_engine.control_address is not None
+    async with client(openai_engine.base_url) as api:
+        await api.completions.create(model=SERVED_MODEL_NAME, prompt="fill the prefix cache " * 8, max_tokens=2)
+    async with EngineControlClient(openai_engine.control_address) as control:
+        assert await control.flush_cache(wait_idle_s=10.0) == ""
 
 
 async def test_the_routed_tier_header_decides_the_tier_in_the_engine(openai_engine: VllmOpenAIServer) -> None:
