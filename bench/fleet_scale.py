@@ -162,6 +162,7 @@ async def one_run(
     measure_s: float,
     warm_s: float,
     work: Path,
+    linger_ms: float,
     max_batch: int = 5000,
 ) -> dict[str, Any]:
     prefix = f"f{uuid.uuid4().hex[:10]}."
@@ -197,7 +198,9 @@ async def one_run(
     fleet = Fleet(frames, targets, hz=HZ)
     async with EmbeddedStack(config) as stack:
         recorder = Recorder(stack.settings, topics.metrics)
-        publisher = CapturePublisher(recorder.factory, Spool(run_dir / "spool", fsync="never"), topics)
+        publisher = CapturePublisher(
+            recorder.factory, Spool(run_dir / "spool", fsync="never"), topics, linger_s=linger_ms / 1000
+        )
         stop = asyncio.Event()
         pub = asyncio.create_task(publisher.run(stop))
         sim = asyncio.create_task(fleet.run(publisher, stop))
@@ -278,13 +281,15 @@ async def one_run(
     return figures
 
 
-async def run_all(targets: list[int], replicas: list[int], measure_s: float, warm_s: float) -> list[dict[str, Any]]:
+async def run_all(
+    targets: list[int], replicas: list[int], measure_s: float, warm_s: float, linger_ms: float
+) -> list[dict[str, Any]]:
     frames = [load_frames(p, HZ) for p in trace_paths()]
     out = []
     with tempfile.TemporaryDirectory(prefix="sits-fleet-") as tmp:
         for n in targets:
             for r in replicas:
-                out.append(await one_run(frames, n, r, measure_s, warm_s, Path(tmp)))
+                out.append(await one_run(frames, n, r, measure_s, warm_s, Path(tmp), linger_ms))
     return out
 
 
@@ -294,8 +299,14 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--measure-s", type=float, default=20.0)
     parser.add_argument("--warm-s", type=float, default=15.0)
+    parser.add_argument(
+        "--linger-ms",
+        type=float,
+        default=250.0,
+        help="capture's linger (SITS_CAPTURE_LINGER_MS) for the simulated fleet; 0: a record per sample",
+    )
     args = parser.parse_args()
-    runs = asyncio.run(run_all(args.targets, args.replicas, args.measure_s, args.warm_s))
+    runs = asyncio.run(run_all(args.targets, args.replicas, args.measure_s, args.warm_s, args.linger_ms))
 
     def at(n: int, r: int) -> dict[str, Any] | None:
         return next((x for x in runs if x["targets"] == n and x["replicas"] == r), None)
@@ -321,7 +332,12 @@ def main() -> int:
         command=f"{COMMAND} --targets {' '.join(map(str, args.targets))} "
         f"--replicas {' '.join(map(str, args.replicas))} --measure-s {args.measure_s:g}",
         figures=figures,
-        baseline={"offered_samples_per_s_max": top * HZ, "partitions": PARTITIONS, "hz_per_target": HZ},
+        baseline={
+            "offered_samples_per_s_max": top * HZ,
+            "partitions": PARTITIONS,
+            "hz_per_target": HZ,
+            "capture_linger_ms": args.linger_ms,
+        },
         goal={"cpu_per_sample_ratio_4_over_1": 1.3, f"reaction_p99_ms_{top}_targets": 150},
         notes="One run per targets x replicas, each on a fresh stack; the simulator, Tansu, every decision replica "
         "and the executor share this machine's cores with other work. Lag and reaction figures are the worst "

@@ -105,6 +105,7 @@ async def serve(settings: CaptureSettings, stop: asyncio.Event) -> None:
         Topics(settings.topic_prefix),
         batch_size=settings.capture_publish_batch,
         trace_samples_above=settings.capture_trace_samples_above,
+        linger_s=settings.capture_linger_ms / 1000,
     )
     service = CaptureService(
         publisher,

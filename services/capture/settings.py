@@ -67,3 +67,12 @@ class CaptureSettings(Settings):
         description="Samples at or above this memory fraction carry a trace (where incidents start); calmer ones "
         "are published without a span.",
     )
+    capture_linger_ms: float = Field(
+        0.0,
+        ge=0.0,
+        le=5000.0,
+        description=(
+            "How long calm samples may wait for more of their target's to share a Kafka record (0: none); "
+            "OOMs and samples at or above SITS_CAPTURE_TRACE_SAMPLES_ABOVE go at once. For large fleets."
+        ),
+    )

@@ -41,6 +41,7 @@ class DecisionService(decision_pb2_grpc.DecisionServicer):
                 request.prompt_tokens,
                 request.max_tokens,
                 convert.priority_from_pb(request.priority),
+                request.prompt_logprobs,
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -15,7 +15,7 @@ class EngineEndpoints(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    engine_addr: str = Field(description="vLLM gRPC server (FlushCache, Abort), host:port.")
+    engine_addr: str = Field(description="vLLM gRPC server (Abort), host:port; cache flushes go through control_addr.")
     control_addr: str = Field(description="SITS engine-control endpoint inside the EngineCore, host:port.")
     envoy_cluster: str = Field("vllm", description="Mesh upstream cluster prefix; tiers are <prefix>_p0.._p2.")
     gpu_uuid: str = Field("", description="GPU the engine runs on; GPU-level commands for it come here.")

@@ -29,7 +29,10 @@ from sits.v1 import validator_pb2, validator_pb2_grpc
 class ValidatorSettings(CommandSigningSettings):
     validator_engines: dict[str, str] = Field(
         default_factory=dict,
-        description='Engines whose health the validator checks, as JSON: {"vllm-0": "host:port"} (vLLM gRPC).',
+        description=(
+            'Engines whose health the validator checks, as JSON: {"vllm-0": "host:port"} (vLLM gRPC) or '
+            '{"vllm-0": "http://host:port"} (vLLM\'s OpenAI server, GET /health).'
+        ),
     )
     validator_envoy_admin_url: str = Field(
         "", description="Envoy admin URL: P0 requests refused by its P0 cluster's breaker; empty: not measured."

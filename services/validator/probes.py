@@ -1,6 +1,8 @@
 """The validator's live probes: is the engine alive, and has any P0 request been refused?
 
-- Engine health: vLLM's own gRPC `HealthCheck` on the engine the target names.
+- Engine health: vLLM's own gRPC `HealthCheck` on the engine the target names,
+  or, for an engine named by an http(s) URL (vLLM's OpenAI server), its
+  `GET /health` (200 while the engine core is alive, 503 once it died).
 - P0 refusals: counters in Prometheus text, summed: Envoy's overflow of the P0
   cluster's circuit breaker (`/stats/prometheus` on the admin port) and SITS
   admission's refusals of P0 (`sits_shed_requests_total{priority="p0"}` on the
@@ -67,6 +69,8 @@ class LiveProbes:
         address = self._engines.get(engine_of(target_key))
         if address is None:
             return None
+        if address.startswith(("http://", "https://")):
+            return await self._http_healthy(address)
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = grpc.aio.insecure_channel(address)
@@ -76,6 +80,14 @@ class LiveProbes:
         except grpc.aio.AioRpcError:
             return False
         return bool(reply.healthy)
+
+    async def _http_healthy(self, base_url: str) -> bool:
+        try:
+            async with httpx.AsyncClient(timeout=self._timeout_s) as client:
+                response = await client.get(f"{base_url.rstrip('/')}/health")
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
 
     async def p0_refused(self, target_key: str) -> float | None:
         readings = []

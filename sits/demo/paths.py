@@ -213,8 +213,10 @@ async def start_sits(
         # KV bytes per token of the served model: admission answers in bytes, and the processor's bypass
         # (no inspection while one request of the engine's largest size fits twice over) needs them.
         "SITS_DECISION_ENGINE_MODELS": json.dumps({ENGINE: MODEL}),
-        # The validator's health probe speaks vLLM's gRPC; an HTTP engine is judged by its other probes.
-        "SITS_VALIDATOR_ENGINES": json.dumps({} if isinstance(engine, VllmOpenAIServer) else {ENGINE: engine.address}),
+        # The validator's health probe: vLLM's gRPC HealthCheck, or GET /health of the OpenAI server.
+        "SITS_VALIDATOR_ENGINES": json.dumps(
+            {ENGINE: f"http://{engine.address}" if isinstance(engine, VllmOpenAIServer) else engine.address}
+        ),
         "SITS_VALIDATOR_ENVOY_ADMIN_URL": envoy.admin_url,
         "SITS_VALIDATOR_ADMISSION_METRICS_URL": metrics_url,
         # Tansu answers a fetch only when its wait ends: at the default 10 ms every consumer polls 100

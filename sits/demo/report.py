@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,10 @@ VERDICT_MARK = {
 }
 PHASE_SHADE = {"without SITS": "#f4a582", "with SITS": "#92c5de"}
 REFUSED = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
+
+
+# The phase on the engine without the plugin (`sits.demo.paths.start_baseline`): no queue-wait signal there.
+WITHOUT_SITS = "without SITS"
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,19 @@ def _shade(axes: list[Any], windows: list[PhaseWindow]) -> None:
                 )
 
 
+def p0_queue_wait_ms(timeline: Timeline, windows: list[PhaseWindow]) -> list[tuple[float, float]]:
+    """(t, P0 queue wait p90 in ms) for the latency panel; NaN (a break in the line) over the phase without SITS.
+
+    The plugin's engine idles through that phase: its zeros there say nothing about the phase.
+    """
+    unmeasured = [(w.start, w.end) for w in windows if w.name == WITHOUT_SITS]
+    return [
+        (s.t, math.nan if any(a <= s.t <= b for a, b in unmeasured) else s.p0_queue_wait_s * 1000)
+        for s in timeline.samples
+        if s.p0_queue_wait_s is not None
+    ]
+
+
 def plot_timeline(
     timeline: Timeline,
     path: Path,
@@ -149,7 +167,7 @@ def plot_timeline(
     ax_engine.legend(loc="lower left", fontsize=7, ncol=3)
     ax_engine.grid(alpha=0.3)
 
-    waits = [(s.t, s.p0_queue_wait_s * 1000) for s in timeline.samples if s.p0_queue_wait_s is not None]
+    waits = p0_queue_wait_ms(timeline, windows)
     if waits:
         ax_wait.plot(*zip(*waits, strict=True), color=COLORS["P0"], lw=1.0, label="P0 queue wait in the engine (p90)")
     if objective_s is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import tempfile
 import time
@@ -29,6 +30,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "(default: SITS_KAFKA_BOOTSTRAP and SITS_TOPIC_PREFIX)",
     )
     parser.add_argument("--traces", type=Path, nargs="*", default=None, help="trace files (default: traces/)")
+    parser.add_argument(
+        "--linger-ms",
+        type=float,
+        default=None,
+        help="how long calm samples wait to share a record with more of their target's "
+        "(default: SITS_CAPTURE_LINGER_MS, else 0)",
+    )
     parser.add_argument(
         "--incidents",
         type=float,
@@ -61,8 +69,12 @@ async def _run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     with tempfile.TemporaryDirectory(prefix="sits-fleet-spool-") as spool_dir:
+        linger_ms = args.linger_ms if args.linger_ms is not None else float(os.environ.get("SITS_CAPTURE_LINGER_MS", 0))
         publisher = CapturePublisher(
-            lambda: TopicEnsuringProducer(settings), Spool(spool_dir, fsync="never"), Topics(settings.topic_prefix)
+            lambda: TopicEnsuringProducer(settings),
+            Spool(spool_dir, fsync="never"),
+            Topics(settings.topic_prefix),
+            linger_s=linger_ms / 1000,
         )
         pub = asyncio.create_task(publisher.run(stop))
         sim = asyncio.create_task(fleet.run(publisher, stop))

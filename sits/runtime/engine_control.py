@@ -22,6 +22,8 @@ SERVICE = "sits.executor.EngineControl"
 GET_STATE = f"/{SERVICE}/GetState"
 SET_LIMITS = f"/{SERVICE}/SetLimits"
 LIST_REQUESTS = f"/{SERVICE}/ListRequests"
+# {"wait_idle_s": s} -> {"reset": bool, "reason": str}: the prefix cache, emptied once nothing runs.
+RESET_PREFIX_CACHE = f"/{SERVICE}/ResetPrefixCache"
 
 # Keys of the limits object; they mirror sits.v1.EngineLimits field names.
 MAX_NUM_RUNNING_REQS = "max_num_running_reqs"

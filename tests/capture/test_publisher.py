@@ -143,6 +143,39 @@ async def test_a_batch_is_traced_when_one_of_its_samples_is_under_pressure(
     assert traced == {b"h/GPU-calm//": False, b"h/GPU-pressed//": True}
 
 
+async def test_calm_samples_linger_to_share_records_and_pressure_ends_the_wait(
+    settings: Settings, topics: Topics, tmp_path: Path
+) -> None:
+    # A linger far longer than the test: only what must go now can end it.
+    publisher = CapturePublisher(
+        lambda: TopicEnsuringProducer(settings), Spool(tmp_path / "spool"), Topics(settings.topic_prefix), linger_s=600
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(publisher.run(stop))
+    try:
+        for i in range(6):
+            publisher.submit(sample(i, gpu="GPU-a" if i % 2 else "GPU-b"))
+            await asyncio.sleep(0.05)  # apart in time: without a linger each would be a record of its own
+        await asyncio.sleep(1.0)
+        assert publisher.stats.published == 0 and publisher.queued == 6
+        pressed = sample(6, gpu="GPU-a")
+        pressed.gpu.total_bytes, pressed.gpu.used_bytes = 100, 95
+        publisher.submit(pressed)
+        await wait_for(lambda: publisher.stats.published == 7)
+        records = await read_all(settings, topics.metrics, 7)
+        assert sorted(len(events) for _k, events in records) == [3, 4]  # one record per target
+        assert sorted(sequences_of(records)) == list(range(7))
+        # An OOM ends the wait too, and takes the calm samples queued before it along.
+        publisher.submit(sample(7))
+        await asyncio.sleep(0.5)
+        assert publisher.stats.published == 7
+        publisher.submit(oom(1))
+        await wait_for(lambda: publisher.stats.published == 9)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+
+
 async def test_outage_spools_and_drains_in_order(tmp_path: Path, topic_prefix: str) -> None:
     broker = TansuBroker(tmp_path / "tansu")
     broker.start()

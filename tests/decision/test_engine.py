@@ -1,6 +1,8 @@
 import math
 import random
 
+import pytest
+
 from services.decision.convert import command_to_pb
 from services.decision.domain.admission import EngineProfile
 from services.decision.domain.engine import DecisionEngine
@@ -169,6 +171,54 @@ def test_admit_refuses_what_does_not_fit_and_says_why(policy: Policy, clock: Man
     assert engine.admit(TARGET, prompt_tokens=1500, max_tokens=200, priority=Priority.P0).admitted
     too_long = engine.admit(TARGET, prompt_tokens=40000, max_tokens=1)
     assert not too_long.admitted and "max model length" in too_long.reason
+
+
+def test_prompt_logprobs_are_refused_when_one_chunks_logits_would_not_fit_the_device(
+    policy: Policy, clock: ManualClock
+) -> None:
+    from services.decision.domain.types import AllocatorStats
+
+    shape = known_model("llama-3-8b")
+    v2_runner = EngineProfile(shape, max_model_len=32768)
+    v1_runner = EngineProfile(shape, max_model_len=32768, prompt_logprobs_chunk_tokens=0)
+    engine = DecisionEngine(policy, clock, profiles={"vllm-0": v2_runner})
+    # 0.5 GiB free on the device and 0.5 GiB cached beyond the floor; the step budget is 2048 tokens.
+    allocator = AllocatorStats(
+        allocated_bytes=60 * GIB,
+        reserved_bytes=61 * GIB,
+        allocated_floor_bytes=GIB * 121 // 2,
+        device_free_bytes=GIB // 2,
+    )
+    load = EngineLoad(kv_blocks_total=10_000, kv_blocks_used=0, block_size=16, token_budget=2048)
+    engine.observe(make_sample(1.0, 0.9, engine=load, allocator=allocator))
+    per_token = shape.vocab_size * (2 + 4 + 4)
+    # 1024-token chunks of a 128k vocabulary: 1.22 GiB of logits against 1 GiB of headroom. Refused at any tier.
+    refused = engine.admit(TARGET, prompt_tokens=8000, max_tokens=10, priority=Priority.P0, prompt_logprobs=5)
+    assert not refused.admitted
+    assert "prompt_logprobs over a 1024-token prefill chunk" in refused.reason and "1.00 GiB left" in refused.reason
+    # The same prompt without prompt_logprobs fits, and a prompt short enough for its logits to fit passes too.
+    assert engine.admit(TARGET, prompt_tokens=8000, max_tokens=10, priority=Priority.P0).admitted
+    short = GIB // per_token
+    assert engine.admit(TARGET, prompt_tokens=short, max_tokens=10, priority=Priority.P0, prompt_logprobs=-1).admitted
+    assert not engine.admit(TARGET, prompt_tokens=short + 1, max_tokens=10, prompt_logprobs=1).admitted
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        engine.admit(TARGET, prompt_tokens=10, max_tokens=10, prompt_logprobs=-2)
+    # A runner that computes them over the whole step is bounded by the step budget instead.
+    engine = DecisionEngine(policy, clock, profiles={"vllm-0": v1_runner})
+    engine.observe(make_sample(1.0, 0.9, engine=load, allocator=allocator))
+    whole_step = engine.admit(TARGET, prompt_tokens=8000, max_tokens=10, prompt_logprobs=1)
+    assert not whole_step.admitted and "2048-token prefill chunk" in whole_step.reason
+
+
+def test_prompt_logprobs_without_device_figures_fall_back_to_nvml_or_pass(policy: Policy, clock: ManualClock) -> None:
+    engine = DecisionEngine(policy, clock, profiles={"vllm-0": EngineProfile(known_model("llama-3-8b"))})
+    # No sample yet: nothing says the device is short, so admission goes by KV alone.
+    assert engine.admit(TARGET, prompt_tokens=30_000, max_tokens=1, prompt_logprobs=1).admitted
+    # NVML's free memory only (no allocator figures): 0.5% of 140 GiB (0.7 GiB) free, short of 1.22 GiB of logits.
+    engine.observe(make_sample(1.0, 0.995))
+    refused = engine.admit(TARGET, prompt_tokens=30_000, max_tokens=1, priority=Priority.P0, prompt_logprobs=1)
+    assert not refused.admitted and "1024-token prefill chunk" in refused.reason
+    assert engine.admit(TARGET, prompt_tokens=30_000, max_tokens=1, priority=Priority.P0).admitted
 
 
 def test_explain_and_evaluate(engine: DecisionEngine, clock: ManualClock) -> None:

@@ -52,6 +52,10 @@ async def test_admit_answers_from_the_latest_kv_figures(served: Served) -> None:
         await stub.Admit(decision_pb2.AdmitRequest(target=target, prompt_tokens=0, max_tokens=5))
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt_tokens" in (info.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Admit(decision_pb2.AdmitRequest(target=target, prompt_tokens=5, max_tokens=5, prompt_logprobs=-3))
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_logprobs must be" in (info.value.details() or "")
 
 
 async def test_put_policy_validates_versions_and_keeps_the_old_one_on_error(served: Served) -> None:

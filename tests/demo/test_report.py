@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
 from sits.demo.live import render
 from sits.demo.load import RequestOutcome, ramp
-from sits.demo.report import summarize, write_report
+from sits.demo.report import WITHOUT_SITS, PhaseWindow, p0_queue_wait_ms, summarize, write_report
 from sits.demo.timeline import Timeline
 from sits.runtime.events import new_meta
 from sits.v1 import common_pb2, events_pb2
@@ -61,6 +62,19 @@ def test_timeline_and_report_from_events(tmp_path: Path) -> None:
     assert "SHED_PRIORITY" in html and "CONFIRMED" in html and "a note" in html
     assert Timeline.load(tmp_path / "timeline.json").verdicts[0].action_id == "a1"
     assert render(timeline, "phase", 1.0, 0) is not None
+
+
+def test_the_queue_wait_line_breaks_over_the_phase_without_sits() -> None:
+    timeline = Timeline()
+    for i in range(10):
+        sample = events_pb2.MetricSample(meta=new_meta("capture", TARGET, timeline.started + i))
+        sample.engine.tiers.add(priority=common_pb2.PRIORITY_P0, queue_wait_p90_s=0.05 if i >= 5 else 0.0)
+        timeline.on_event("m", sample)
+    windows = [PhaseWindow(WITHOUT_SITS, 0.5, 1.0, 4.5), PhaseWindow("with SITS", 4.6, 5.0, 10.0)]
+    waits = p0_queue_wait_ms(timeline, windows)
+    assert len(waits) == 10
+    assert all(math.isnan(ms) for t, ms in waits if 0.5 <= t <= 4.5)
+    assert [round(ms) for t, ms in waits if t > 4.6] == [50] * 5
 
 
 def test_ramp_goes_from_base_to_peak_and_stops() -> None:

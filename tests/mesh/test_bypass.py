@@ -22,7 +22,8 @@ def gate(clock: ManualClock, **admission: object) -> BypassGate:
 
 
 def test_the_probe_is_the_largest_request_at_the_lowest_priority() -> None:
-    assert gate(ManualClock()).probe_query() == AdmissionQuery(prompt_tokens=1024, max_tokens=0, priority="p2")
+    probe = AdmissionQuery(prompt_tokens=1024, max_tokens=0, priority="p2", prompt_logprobs=1)
+    assert gate(ManualClock()).probe_query() == probe
 
 
 def test_opens_only_after_clear_probes_held_and_closes_at_the_first_that_is_not() -> None:

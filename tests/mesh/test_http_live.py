@@ -17,10 +17,13 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from services.executor.adapters.engine import EngineControlClient
+from services.validator.probes import LiveProbes
 from sits.demo.load import LoadDriver, LoadShape
 from sits.stack.tokenizer import training_text
 from sits.stack.vllm_engine import SERVED_MODEL_NAME, VllmOpenAIServer, make_random_llama
 from sits_mesh.envoy_config import breaker_key
+from sits_mesh.ext_proc import BypassController
 from tests.fixtures.vllm import engine_state
 from tests.mesh.conftest import MeshStack, StartMesh
 from tests.mesh.helpers import (
@@ -46,6 +49,24 @@ def tokenizer() -> Tokenizer:
 def client(base_url: str, **kwargs: Any) -> openai.AsyncOpenAI:
     # No retries: every test looks at the first answer (the client retries 429 and 5xx by default).
     return openai.AsyncOpenAI(base_url=base_url, api_key=kwargs.pop("api_key", "none"), max_retries=0, **kwargs)
+
+
+async def test_the_validator_probes_the_openai_engines_health(openai_engine: VllmOpenAIServer) -> None:
+    probes = LiveProbes({"vllm-0": f"http://{openai_engine.address}"}, timeout_s=10.0)
+    try:
+        assert await probes.engine_healthy("host/GPU-0//vllm-0") is True
+    finally:
+        await probes.close()
+
+
+async def test_the_executor_flushes_the_openai_engines_prefix_cache_through_the_plugin(
+    openai_engine: VllmOpenAIServer,
+) -> None:
+    assert openai_engine.control_address is not None
+    async with client(openai_engine.base_url) as api:
+        await api.completions.create(model=SERVED_MODEL_NAME, prompt="fill the prefix cache " * 8, max_tokens=2)
+    async with EngineControlClient(openai_engine.control_address) as control:
+        assert await control.flush_cache(wait_idle_s=10.0) == ""
 
 
 async def test_the_routed_tier_header_decides_the_tier_in_the_engine(openai_engine: VllmOpenAIServer) -> None:
@@ -192,6 +213,40 @@ async def test_bad_requests_get_a_clear_4xx_and_never_reach_the_engine(start_htt
     assert malformed.json()["error"]["type"] == "invalid_request_error"
     assert unknown_path.status_code == 404 and "/v1/completions" in unknown_path.json()["error"]["message"]
     assert await upstream_requests(stack) == before
+
+
+async def test_the_bypass_skips_the_processor_yet_envoy_still_refuses_bad_bodies(
+    start_http_mesh: StartMesh, decision_peer: tuple[str, KvRuleDecision]
+) -> None:
+    stack = await start_http_mesh(admission={"bypass_max_request_tokens": 1024, "bypass_open_after_s": 0})
+    controller = BypassController(stack.processor, stack.envoy)
+    streams = "http.sits_ingress.ext_proc.sits_admission.streams_started"
+    assert await controller.probe_once()  # plenty of KV free: Envoy routes past the processor
+    before_streams, before_upstream = await stack.envoy.stat(streams), await upstream_requests(stack)
+    async with mesh_client(stack) as api:
+        assert (await chat(api, "p0")).choices[0].message.content is not None
+        assert (await api.completions.create(model=MODEL, prompt="x", max_tokens=2)).choices
+        # What the processor would refuse before the engine, Envoy refuses on the bypass too.
+        with pytest.raises(openai.BadRequestError, match="naming a served 'model'") as unknown:
+            await api.completions.create(model="gpt-9", prompt="x", max_tokens=1)
+        assert "unknown_model" in str(unknown.value.code)
+    async with httpx.AsyncClient(base_url=f"http://{stack.address}") as raw:
+        malformed = await raw.post(
+            "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
+        no_model = await raw.post("/v1/chat/completions", json={"messages": []})
+        not_json = await raw.post("/v1/completions", content=b"model=m", headers={"content-type": "text/plain"})
+    for reply, rule in ((malformed, "invalid_json"), (no_model, "missing_model"), (not_json, "not_json_content_type")):
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["type"] == "invalid_request_error"
+        assert rule in reply.json()["error"]["code"], reply.text
+    assert await stack.envoy.stat(streams) == before_streams  # not one stream to the processor
+    assert await upstream_requests(stack) == before_upstream + 2  # only the two good requests reached vLLM
+    decision_peer[1].free_kv_bytes = 1500 * KV_BYTES_PER_TOKEN  # the probe no longer fits twice: inspect again
+    assert not await controller.probe_once()
+    async with mesh_client(stack) as api:
+        assert (await chat(api, "p0")).choices
+    assert await stack.envoy.stat(streams) == before_streams + 1
 
 
 async def test_p2_is_shed_with_429_and_retry_after_while_p0_flows(start_http_mesh: StartMesh) -> None:

@@ -35,6 +35,10 @@ def test_prompt_tokens_are_bounded_by_bytes_and_new_tokens_count_every_choice() 
     assert chat.prompt_tokens >= len("user: hi\n") + CHAT_TOKENS_PER_MESSAGE
     parts = {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {}}]}
     assert parse({"model": "m", "messages": [parts]}, "chat").prompt_tokens == chat.prompt_tokens
+    # prompt_logprobs reach admission: -1 (the whole vocabulary), k, or absent.
+    assert parse({"model": "m", "prompt": "x", "prompt_logprobs": -1}).prompt_logprobs == -1
+    assert parse({"model": "m", "prompt": "x", "prompt_logprobs": 5}).prompt_logprobs == 5
+    assert parse({"model": "m", "prompt": "x"}).prompt_logprobs == 0
 
 
 @pytest.mark.parametrize(
@@ -51,6 +55,7 @@ def test_prompt_tokens_are_bounded_by_bytes_and_new_tokens_count_every_choice() 
         ({"model": "m", "prompt": "x", "max_tokens": -1}, "completions", 400, "invalid_request"),
         ({"model": "m", "prompt": "x", "n": True}, "completions", 400, "invalid_request"),
         ({"model": "m", "prompt": "x", "prompt_logprobs": "all"}, "completions", 400, "invalid_request"),
+        ({"model": "m", "prompt": "x", "prompt_logprobs": -2}, "completions", 400, "invalid_request"),
     ],
 )
 def test_bad_requests_are_refused_with_a_status_and_code(body: Any, endpoint: str, status: int, code: str) -> None:

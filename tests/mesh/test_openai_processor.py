@@ -65,6 +65,12 @@ async def test_the_routes_metadata_names_tier_and_endpoint_and_the_clients_heade
     assert [a.is_set("request_headers") for a in out] == [True, False]
     assert out[1].is_set("request_body")
     assert admitter.queries[0].priority == "p2" and admitter.queries[0].max_tokens == 10
+    assert admitter.queries[0].prompt_logprobs == 0
+    completions = {"x-sits-priority": "p1", "x-sits-openai-endpoint": "completions"}
+    await answers(
+        processor, completions, headers("/v1/completions"), body({"model": "m", "prompt": "x", "prompt_logprobs": 3})
+    )
+    assert admitter.queries[1].prompt_logprobs == 3
 
 
 async def test_under_istio_the_headers_stand_in_and_other_paths_pass_uninspected() -> None:

@@ -79,6 +79,9 @@ def test_text_prompts_and_several_samples_are_counted_generously() -> None:
     shape = parse_generate(grpc_frame(request.SerializeToString()))
     assert shape.prompt_tokens == 101
     assert shape.max_tokens == 30
+    assert shape.prompt_logprobs == 0
+    request.sampling_params.prompt_logprobs = 4
+    assert parse_generate(grpc_frame(request.SerializeToString())).prompt_logprobs == 4
 
 
 def test_priorities_and_pressure_shedding() -> None:

@@ -26,6 +26,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "openai": {"engine_api": "openai"},
     "openai_tenants": {"engine_api": "openai", "http": TENANTS},
     "openai_no_admission": {"engine_api": "openai", "admission": {"enabled": False}},
+    "openai_bypass": {
+        "engine_api": "openai",
+        "http": {"models": ["m"]},
+        "admission": {"bypass_max_request_tokens": 1024},
+    },
 }
 
 

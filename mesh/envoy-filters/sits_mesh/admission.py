@@ -26,6 +26,7 @@ MAX_BODY_BYTES = 32 << 20
 class GenerateShape:
     prompt_tokens: int
     max_tokens: int
+    prompt_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class AdmissionQuery:
     prompt_tokens: int
     max_tokens: int
     priority: PriorityName
+    prompt_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,8 @@ def parse_generate(buffer: bytes | bytearray) -> GenerateShape:
     params = message.sampling_params
     max_tokens = params.max_tokens if params.HasField("max_tokens") else 0
     samples = max(1, params.n)
-    return GenerateShape(prompt_tokens=prompt_tokens, max_tokens=max_tokens * samples)
+    prompt_logprobs = params.prompt_logprobs if params.HasField("prompt_logprobs") else 0
+    return GenerateShape(prompt_tokens=prompt_tokens, max_tokens=max_tokens * samples, prompt_logprobs=prompt_logprobs)
 
 
 def fallback_verdict(query: AdmissionQuery, admission: Admission) -> Verdict:

@@ -50,7 +50,8 @@ class BypassGate:
 
     def probe_query(self) -> AdmissionQuery:
         """The largest request the engine accepts, at the priority refused first."""
-        return AdmissionQuery(prompt_tokens=self._tokens, max_tokens=0, priority=PRIORITY_NAMES[-1])
+        # prompt_logprobs: a bypassed request may ask for them, and their logits are the largest transient.
+        return AdmissionQuery(prompt_tokens=self._tokens, max_tokens=0, priority=PRIORITY_NAMES[-1], prompt_logprobs=1)
 
     def why_inspect(self, probe: Probe) -> str | None:
         """Why every request must still be inspected after this probe, or None when none can be refused."""

@@ -42,6 +42,16 @@ _INJECTED = "type.googleapis.com/envoy.extensions.resource_monitors.injected_res
 HTTP_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 LOCAL_RATELIMIT_FILTER = "envoy.filters.http.local_ratelimit"
+JSON_CHECK_FILTER = "envoy.filters.http.json_to_metadata"
+BODY_RULES_FILTER = "envoy.filters.http.rbac"
+_JSON_TO_METADATA = "type.googleapis.com/envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata"
+_RBAC = "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC"
+_RBAC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBACPerRoute"
+_FILTER_CONFIG = "type.googleapis.com/envoy.config.route.v3.FilterConfig"
+# Where Envoy's JSON check of a bypassed OpenAI body writes what it found (the model, or that it is no JSON).
+BODY_METADATA = "sits.openai"
+# As clients write them; json_to_metadata compares them exactly, so the RBAC check below does too.
+JSON_CONTENT_TYPES = ("application/json", "application/json; charset=utf-8", "application/json; charset=UTF-8")
 
 
 def shed_key(priority: PriorityName) -> str:
@@ -323,6 +333,8 @@ def openai_routes(policy: MeshPolicy) -> list[dict[str, Any]]:
                 }
                 if admission:
                     route["typed_per_filter_config"] = _ext_proc_priority(tier, endpoint)
+                    if policy.admission.bypass_max_request_tokens:
+                        table.append(_openai_bypass(policy, route))
                 table.append(route)
             table.append(
                 {
@@ -345,6 +357,94 @@ def openai_routes(policy: MeshPolicy) -> list[dict[str, Any]]:
         }
     )
     return table
+
+
+def _openai_bypass(policy: MeshPolicy, inspected: dict[str, Any]) -> dict[str, Any]:
+    """The twin of an inspected OpenAI route, taken while the bypass key is 100 (`sits_mesh/bypass.py`).
+
+    It skips the processor, yet what the processor would refuse before the engine is still refused
+    here, in Envoy: a body that is no JSON object (or not sent as JSON), a missing or unknown `model`.
+    Envoy's JSON check (json_to_metadata) writes what it found; RBAC refuses on it (403, answered as
+    400 by `local_reply_config`, the failed rule named in the error's code). Deeper mistakes (a
+    missing prompt, a malformed message) reach vLLM, which answers them 400 itself.
+    """
+    model = [{"key": "model"}]
+    present = {"metadata": {"filter": BODY_METADATA, "path": model, "value": {"present_match": True}}}
+    is_invalid = {"string_match": {"exact": "invalid"}}
+    invalid = {"metadata": {"filter": BODY_METADATA, "path": [{"key": "json"}], "value": is_invalid}}
+    sent_as_json = {
+        "or_rules": {
+            "rules": [
+                {"header": {"name": "content-type", "string_match": {"exact": kind}}}
+                for kind in JSON_CONTENT_TYPES
+            ]
+        }
+    }
+
+    def all_of(*rules: dict[str, Any]) -> dict[str, Any]:
+        return {"and_rules": {"rules": list(rules)}}
+
+    # Exclusive, so that the rule the error names is the one that failed first.
+    rules: dict[str, dict[str, Any]] = {
+        "not_json_content_type": {"not_rule": sent_as_json},
+        "invalid_json": all_of(sent_as_json, invalid),
+        "missing_model": all_of(sent_as_json, {"not_rule": invalid}, {"not_rule": present}),
+    }
+    if policy.http.models:
+        served = [
+            {"metadata": {"filter": BODY_METADATA, "path": model, "value": {"string_match": {"exact": name}}}}
+            for name in policy.http.models
+        ]
+        rules["unknown_model"] = all_of(present, {"not_rule": {"or_rules": {"rules": served}}})
+    body_rules = {
+        "action": "DENY",
+        "policies": {name: {"permissions": [rule], "principals": [{"any": True}]} for name, rule in rules.items()},
+    }
+    return {
+        **inspected,
+        "name": f"{inspected['name']}_bypass",
+        "match": {**inspected["match"], "runtime_fraction": _runtime_percent(0, ADMISSION_BYPASS_KEY)},
+        "typed_per_filter_config": {
+            **_no_ext_proc(),
+            BODY_RULES_FILTER: {
+                _TYPE: _FILTER_CONFIG,
+                "disabled": False,
+                "config": {_TYPE: _RBAC_PER_ROUTE, "rbac": {"rules": body_rules}},
+            },
+        },
+    }
+
+
+def _json_check_filters(policy: MeshPolicy) -> list[dict[str, Any]]:
+    """Envoy's own check of an OpenAI body: its JSON read on every request (a C++ parse of the body),
+    its rules off by default and turned on by the bypass routes. json_to_metadata takes no per-route
+    config, so it cannot be turned on per route as RBAC is."""
+    model = {"metadata_namespace": BODY_METADATA, "key": "model"}
+    return [
+        {
+            "name": JSON_CHECK_FILTER,
+            "typed_config": {
+                _TYPE: _JSON_TO_METADATA,
+                "request_rules": {
+                    "rules": [
+                        {
+                            "selectors": [{"key": "model"}],
+                            "on_present": {**model, "type": "STRING"},
+                            "on_error": {
+                                "metadata_namespace": BODY_METADATA,
+                                "key": "json",
+                                "value": "invalid",
+                            },
+                        }
+                    ],
+                    "allow_content_types": list(JSON_CONTENT_TYPES),
+                },
+                # The body it reads is bounded by the route's request_body_buffer_limit (413 beyond).
+            },
+        },
+        # Per route (the bypass routes name their rules); no rules here: off, and allow-all if ever on.
+        {"name": BODY_RULES_FILTER, "disabled": True, "typed_config": {_TYPE: _RBAC}},
+    ]
 
 
 def _openai_error(error_type: str) -> dict[str, Any]:
@@ -398,6 +498,16 @@ def local_reply_config(policy: MeshPolicy) -> dict[str, Any]:
                 {"filter": _status_is(code), "body_format_override": _openai_error("invalid_request_error")}
                 for code in (400, 404, 413)
             ),
+            {
+                # Only the bypass routes' body rules answer 403 here: a bad request, named in the code.
+                "filter": _status_is(403),
+                "status_code": 400,
+                "body": {
+                    "inline_string": "SITS refused the request at the mesh: it needs a JSON object body "
+                    "(content-type application/json) naming a served 'model'"
+                },
+                "body_format_override": _openai_error("invalid_request_error"),
+            },
         ],
         "body_format": _openai_error("server_error"),
     }
@@ -423,6 +533,8 @@ def http_filters(policy: MeshPolicy) -> list[dict[str, Any]]:
         }
     ]
     if policy.admission.enabled:
+        if policy.engine_api == "openai" and policy.admission.bypass_max_request_tokens:
+            filters += _json_check_filters(policy)
         filters.append({"name": EXT_PROC_FILTER, "typed_config": ext_proc_filter(policy)})
     filters.append({"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER}})
     return filters

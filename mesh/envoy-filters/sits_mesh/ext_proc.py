@@ -45,6 +45,7 @@ from sits_mesh.admission import (
     AdmissionQuery,
     Admitter,
     AdmitterUnavailable,
+    GenerateShape,
     NotAGenerateRequest,
     RecentFreeKv,
     Verdict,
@@ -62,6 +63,7 @@ from sits_mesh.ext_proc_wire import ExtProcRequest, Phase, decode_processing_req
 from sits_mesh.openai_admission import (
     Endpoint,
     OpenAIRequestError,
+    OpenAIShape,
     TokenCounter,
     byte_count,
     parse_openai,
@@ -137,6 +139,7 @@ class DecisionAdmitter:
             prompt_tokens=query.prompt_tokens,
             max_tokens=query.max_tokens,
             priority=_PRIORITY_PROTO[query.priority],  # type: ignore[arg-type]
+            prompt_logprobs=query.prompt_logprobs,
         )
         try:
             reply = await self._stub.Admit(request, timeout=self._timeout_s)
@@ -323,7 +326,7 @@ class AdmissionProcessor:
                     yield _continue_body()
                     continue
                 body.clear()
-                refusal = await self._admission_refusal(shape.prompt_tokens, shape.max_tokens, priority)
+                refusal = await self._admission_refusal(shape, priority)
                 if refusal is None:
                     yield _continue_body()
                 else:
@@ -333,9 +336,11 @@ class AdmissionProcessor:
                 # Trailers or response phases are not requested; answer nothing we were not asked.
                 continue
 
-    async def _admission_refusal(self, prompt_tokens: int, max_tokens: int, priority: PriorityName) -> str | None:
+    async def _admission_refusal(self, shape: GenerateShape | OpenAIShape, priority: PriorityName) -> str | None:
         """Ask admission about one request on either API; the readable reason when it is refused."""
-        verdict = await self._verdict(AdmissionQuery(prompt_tokens, max_tokens, priority))
+        verdict = await self._verdict(
+            AdmissionQuery(shape.prompt_tokens, shape.max_tokens, priority, shape.prompt_logprobs)
+        )
         if verdict.admitted:
             self.counters.admitted += 1
             return None
@@ -400,7 +405,7 @@ class AdmissionProcessor:
                 self.counters.refuse(err.message)
                 yield http_reply(err.status, f"sits_{err.code}", err.message)
                 return
-            refusal = await self._admission_refusal(shape.prompt_tokens, shape.max_tokens, priority)
+            refusal = await self._admission_refusal(shape, priority)
             if refusal is None:
                 yield _continue_body()
             else:

@@ -51,6 +51,8 @@ class OpenAIShape:
     prompt_tokens: int
     # New tokens over all choices: max_tokens x n.
     max_tokens: int
+    # -1: the whole vocabulary (vLLM's convention), 0: none.
+    prompt_logprobs: int = 0
 
 
 class OpenAIRequestError(ValueError):
@@ -142,11 +144,13 @@ def parse_openai(body: bytes, endpoint: Endpoint, http: HttpApi, count: TokenCou
             raise _bad("missing field 'prompt'", "missing_field")
         prompt_tokens = _prompt_tokens(data["prompt"], count)
     n = _int_field(data, "n", 1) or 1
-    _int_field(data, "prompt_logprobs", 0)
+    prompt_logprobs = _int_field(data, "prompt_logprobs", -1) or 0
     new_tokens = _int_field(data, "max_completion_tokens", 0)
     if new_tokens is None:
         new_tokens = _int_field(data, "max_tokens", 0)
     if new_tokens is None:
         # vLLM lets a request without a limit run to the model's length.
         new_tokens = max(0, http.max_model_len - prompt_tokens)
-    return OpenAIShape(model=model, prompt_tokens=prompt_tokens, max_tokens=new_tokens * n)
+    return OpenAIShape(
+        model=model, prompt_tokens=prompt_tokens, max_tokens=new_tokens * n, prompt_logprobs=prompt_logprobs
+    )

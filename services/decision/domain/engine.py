@@ -794,21 +794,31 @@ class DecisionEngine:
     # ------------------------------------------------------------------ queries
 
     def admit(
-        self, target: Target, prompt_tokens: int, max_tokens: int, priority: Priority = Priority.UNSPECIFIED
+        self,
+        target: Target,
+        prompt_tokens: int,
+        max_tokens: int,
+        priority: Priority = Priority.UNSPECIFIED,
+        prompt_logprobs: int = 0,
     ) -> AdmitDecision:
         state = self._states.get(target.key)
         profile = self._profiles.get(target.engine)
         reserve = self._policy.spec.admission.p0_reserved_kv_fraction
         if state is None:
-            return admission.decide(prompt_tokens, max_tokens, priority, None, profile, False, reserve)
+            return admission.decide(
+                prompt_tokens, max_tokens, priority, None, profile, False, reserve, prompt_logprobs=prompt_logprobs
+            )
+        window = state.window
         return admission.decide(
             prompt_tokens,
             max_tokens,
             priority,
-            state.window.latest_plugin or state.window.latest_engine,
+            window.latest_plugin or window.latest_engine,
             profile,
             state.forecast.time_to_limit_s == 0.0,
             reserve,
+            prompt_logprobs=prompt_logprobs,
+            headroom_bytes=admission.device_headroom(window.latest_gpu, window.latest_allocator),
         )
 
     def explain(self, target: Target) -> Explanation | None:

@@ -126,6 +126,17 @@ class ModelShape:
         logits = batch * math.ceil(self.vocab_size / tp) * (act_dtype_bytes + 4)
         return chunk_tokens * per_token * act_dtype_bytes + logits
 
+    def prompt_logprobs_bytes(self, chunk_tokens: int, act_dtype_bytes: int) -> int:
+        """Transient bytes of prompt logprobs over one prefill chunk of one request.
+
+        For a request with prompt_logprobs, vLLM computes logits for every prompt
+        token it schedules (not only the last), gathered over the whole vocabulary,
+        then a float32 log-softmax of them: the model-dtype logits, a float32 copy
+        and the float32 result live together. A 32k-token chunk of a 128k
+        vocabulary is 40 GiB; this is the known OOM of prompt_logprobs.
+        """
+        return chunk_tokens * self.vocab_size * (act_dtype_bytes + 4 + 4)
+
 
 def collective_buffer_bytes(
     tp: int, buffsize: int = DEFAULT_NCCL_BUFFSIZE, channels: int = DEFAULT_NCCL_CHANNELS

@@ -24,7 +24,8 @@ class FlushAction(Action):
         command: events_pb2.HealingCommand,
         before: events_pb2.ActionState,
     ) -> str:
-        message = await target.engine.flush_cache(ctx.flush_wait_idle_s)
+        # Through the plugin, not vLLM's gRPC FlushCache: it is there on either API the engine serves.
+        message = await target.control.flush_cache(ctx.flush_wait_idle_s)
         return f"prefix cache flushed: {message}" if message else "prefix cache flushed"
 
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
-from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
 
 from services.executor.domain import EngineInfo, InFlightRequest, Limits
 from sits.runtime import engine_control as protocol
@@ -81,6 +80,7 @@ class EngineControlClient:
         self._get_state = call(protocol.GET_STATE)
         self._set_limits = call(protocol.SET_LIMITS)
         self._list_requests = call(protocol.LIST_REQUESTS)
+        self._reset_prefix_cache = call(protocol.RESET_PREFIX_CACHE)
 
     async def __aenter__(self) -> EngineControlClient:
         return self
@@ -108,6 +108,16 @@ class EngineControlClient:
         wire = limits.as_wire() if isinstance(limits, Limits) else limits
         return _snapshot(await self._call(self._set_limits, {"limits": wire}))
 
+    async def flush_cache(self, wait_idle_s: float = 2.0) -> str:
+        """Empty the engine's prefix cache through the plugin: the same on the gRPC and the OpenAI server."""
+        try:
+            reply = await self._reset_prefix_cache({"wait_idle_s": wait_idle_s}, timeout=self._timeout_s + wait_idle_s)
+        except grpc.aio.AioRpcError as error:
+            raise EngineUnavailable(f"engine control {self.address}: {error.code().name} {error.details()}") from error
+        if not reply.get("reset"):
+            raise EngineUnavailable(f"prefix cache not reset: {reply.get('reason') or 'refused'}")
+        return ""
+
     async def in_flight(self) -> list[InFlightRequest]:
         reply = await self._call(self._list_requests, {})
         return [
@@ -122,7 +132,7 @@ class EngineControlClient:
 
 
 class VllmEngineClient:
-    """vLLM's own gRPC API (smg `VllmEngine`): FlushCache and Abort."""
+    """vLLM's own gRPC API (smg `VllmEngine`): Abort (the OpenAI server has no abort; a client's disconnect is one)."""
 
     def __init__(self, address: str, timeout_s: float = 10.0) -> None:
         self.address = address
@@ -132,17 +142,6 @@ class VllmEngineClient:
 
     async def close(self) -> None:
         await self._channel.close(grace=None)
-
-    async def flush_cache(self, wait_idle_s: float = 2.0) -> str:
-        try:
-            reply = await self._stub.FlushCache(
-                smg_common_pb2.FlushCacheRequest(timeout_s=wait_idle_s), timeout=self._timeout_s + wait_idle_s
-            )
-        except grpc.aio.AioRpcError as error:
-            raise EngineUnavailable(f"FlushCache: {error.code().name} {error.details()}") from error
-        if not reply.success:
-            raise EngineUnavailable(f"FlushCache refused: {reply.message}")
-        return str(reply.message)
 
     async def abort(self, request_ids: list[str]) -> None:
         if not request_ids:

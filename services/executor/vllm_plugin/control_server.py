@@ -36,6 +36,9 @@ def start_control_server(scheduler: SitsScheduler, address: str) -> grpc.Server:
         "GetState": unary(lambda _request: scheduler.control_state()),
         "SetLimits": unary(lambda request: scheduler.set_limits(request.get("limits", {}))),
         "ListRequests": unary(lambda _request: scheduler.list_requests()),
+        "ResetPrefixCache": unary(
+            lambda request: scheduler.reset_prefix_cache_when_idle(float(request.get("wait_idle_s", 2.0)))
+        ),
     }
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sits-control"))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(protocol.SERVICE, handlers),))

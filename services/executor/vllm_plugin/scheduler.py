@@ -111,6 +111,10 @@ class SitsScheduler(Scheduler):
         self._pending_seq = 0
         self._applied_seq = 0
         self._applied_at_step = 0
+        # Prefix-cache resets asked by the executor, done by the engine's own thread between steps.
+        self._reset_asked_seq = 0
+        self._reset_done_seq = 0
+        self._reset_ok = False
         self._admission_paused = False
         self._resume_signal = threading.Event()
         self._prefill_chunk_cap = int(self.scheduler_config.long_prefill_token_threshold or 0)
@@ -156,6 +160,8 @@ class SitsScheduler(Scheduler):
             self._resume_signal.wait(_PAUSED_IDLE_WAIT_S)
         with self._control_lock:
             self._apply_pending_locked()
+            if self._reset_asked_seq > self._reset_done_seq and not self.running:
+                self._reset_prefix_cache_locked()
             if self._by_priority:
                 self._make_room_for_p0()
             saved_budget = self.max_num_scheduled_tokens
@@ -331,6 +337,33 @@ class SitsScheduler(Scheduler):
     def control_state(self) -> dict[str, Any]:
         with self._control_lock:
             return self._state_locked()
+
+    def reset_prefix_cache_when_idle(self, wait_idle_s: float) -> dict[str, Any]:
+        """Reset the prefix cache at the first step start with nothing running, waiting up to `wait_idle_s`.
+
+        vLLM resets the cache only while no request holds blocks (what its own FlushCache waits for),
+        and the reset must run on the engine's thread, between steps: it is queued for `schedule()`,
+        or done at once when the engine has no request at all (no step would come).
+        """
+        with self._control_lock:
+            self._reset_asked_seq += 1
+            wanted = self._reset_asked_seq
+            if not self.has_requests():
+                self._reset_prefix_cache_locked()
+            else:
+                self._applied.wait_for(lambda: self._reset_done_seq >= wanted, timeout=max(0.0, wait_idle_s))
+            if self._reset_done_seq >= wanted:
+                reason = "" if self._reset_ok else "vLLM refused: blocks were still in use"
+                return {"reset": self._reset_ok, "reason": reason}
+            # Not done in time: withdraw it, so that no later step resets a cache nobody is waiting on.
+            self._reset_asked_seq = self._reset_done_seq
+            return {"reset": False, "reason": f"requests kept running for {wait_idle_s:g} s"}
+
+    def _reset_prefix_cache_locked(self) -> None:
+        # No arguments: vLLM 0.26 takes none, 0.32 defaults to leaving running requests alone.
+        self._reset_ok = bool(self.reset_prefix_cache())
+        self._reset_done_seq = self._reset_asked_seq
+        self._applied.notify_all()
 
     def _state_locked(self) -> dict[str, Any]:
         num_running, num_waiting = self.get_request_counts()
