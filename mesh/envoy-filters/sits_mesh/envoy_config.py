@@ -375,8 +375,7 @@ def _openai_bypass(policy: MeshPolicy, inspected: dict[str, Any]) -> dict[str, A
     sent_as_json = {
         "or_rules": {
             "rules": [
-                {"header": {"name": "content-type", "string_match": {"exact": kind}}}
-                for kind in JSON_CONTENT_TYPES
+                {"header": {"name": "content-type", "string_match": {"exact": kind}}} for kind in JSON_CONTENT_TYPES
             ]
         }
     }
