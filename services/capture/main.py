@@ -35,7 +35,7 @@ SETTINGS = CaptureSettings
 
 def build_sources(settings: CaptureSettings) -> list[Source]:
     engine_target = common_pb2.Target(
-        host=settings.host_name, gpu_uuid=settings.engine_gpu_uuid, engine=settings.engine_name
+        host=settings.host_name, gpu_uuid=settings.capture_engine_gpu_uuid, engine=settings.capture_engine_name
     )
     sources: list[Source] = []
     if settings.nvml_enabled:
@@ -46,8 +46,8 @@ def build_sources(settings: CaptureSettings) -> list[Source]:
                 host=settings.host_name,
                 # One capture per engine host: GPU samples are about the engine that runs there, so the
                 # decision sees memory and engine load in one window and names an engine it can act on.
-                engine=settings.engine_name,
-                engine_pids=frozenset(settings.engine_pids),
+                engine=settings.capture_engine_name,
+                engine_pids=frozenset(settings.capture_engine_pids),
             )
         )
     if settings.vllm_grpc_addr:
@@ -79,7 +79,7 @@ def build_sources(settings: CaptureSettings) -> list[Source]:
             )
         )
     if settings.replay_trace is not None:
-        as_engine = TraceTarget(settings.host_name, settings.engine_gpu_uuid, "", settings.engine_name)
+        as_engine = TraceTarget(settings.host_name, settings.capture_engine_gpu_uuid, "", settings.capture_engine_name)
         sources.append(
             ReplaySource(
                 settings.replay_trace,
@@ -94,10 +94,10 @@ def build_sources(settings: CaptureSettings) -> list[Source]:
 async def serve(settings: CaptureSettings, stop: asyncio.Event) -> None:
     serve_metrics(settings.metrics_port, settings.metrics_bind)
     spool = Spool(
-        settings.spool_dir,
-        max_bytes=settings.spool_max_bytes,
-        fsync=settings.spool_fsync,
-        fsync_interval_s=settings.spool_fsync_interval_s,
+        settings.capture_spool_dir,
+        max_bytes=settings.capture_spool_max_bytes,
+        fsync=settings.capture_spool_fsync,
+        fsync_interval_s=settings.capture_spool_fsync_interval_s,
     )
     publisher = CapturePublisher(
         lambda: TopicEnsuringProducer(settings),

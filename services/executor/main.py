@@ -66,9 +66,9 @@ def build_executor(
         envoy=EnvoyAdmin(settings.envoy_admin_url) if settings.envoy_admin_url else None,
         pressure_file=settings.envoy_pressure_file,
         policy=BreakerPolicy(
-            closed_max_requests=settings.breaker_closed_max_requests,
-            half_open_max_requests=settings.breaker_half_open_max_requests,
-            default_ttl_s=settings.breaker_default_ttl_s,
+            closed_max_requests=settings.executor_breaker_closed_max_requests,
+            half_open_max_requests=settings.executor_breaker_half_open_max_requests,
+            default_ttl_s=settings.executor_breaker_default_ttl_s,
         ),
         lease_ttl_ms=settings.executor_lease_ttl_ms,
         flush_wait_idle_s=settings.executor_flush_wait_idle_s,
@@ -81,7 +81,7 @@ def _mig_hook(settings: ExecutorSettings) -> NvmlMigHook | None:
         return None
     import pynvml
 
-    return NvmlMigHook(pynvml, settings.executor_mig_gpus, apply=settings.mig_apply)
+    return NvmlMigHook(pynvml, settings.executor_mig_gpus, apply=settings.executor_mig_apply)
 
 
 def command_handler(executor: Executor) -> Callable[[ReceivedEvent], Awaitable[None]]:
@@ -134,7 +134,7 @@ async def serve(settings: ExecutorSettings, stop: asyncio.Event) -> None:
         )
         consumer = EventConsumer(
             settings,
-            group_id=f"{settings.topic_prefix}{settings.executor_group_id}",
+            group_id=f"{settings.topic_prefix}{settings.executor_group}",
             topics=[topics.commands],
             handler=command_gate(settings).wrap(command_handler(executor)),
             dead_letters=producer,
