@@ -16,9 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 # Per service: the module and class of its settings (`sits mesh ext-proc` reads only the shared ones).
 SERVICE_SETTINGS = {
     "capture": ("services.capture.settings", "CaptureSettings"),
-    "decision": ("services.decision.main", "DecisionSettings"),
+    "decision": ("services.decision.settings", "DecisionSettings"),
     "executor": ("services.executor.settings", "ExecutorSettings"),
-    "validator": ("services.validator.main", "ValidatorSettings"),
+    "validator": ("services.validator.settings", "ValidatorSettings"),
 }
 # Variables read inside vLLM's processes (no settings class there): module of their ENVIRONMENT rows.
 ENGINE_VARIABLES = {
