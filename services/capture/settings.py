@@ -80,7 +80,9 @@ class CaptureSettings(Settings):
         description="Most time between fsyncs with 'interval'.",
     )
     oom_hook_spool_dir: Path | None = Field(
-        None, description="Folder the in-process OOM hooks spool into when capture was unreachable; ingested here."
+        None,
+        description="Folder the in-process OOM hooks spool into when capture was unreachable (the hook's own "
+        "default: /tmp/sits-oom-spool); capture ingests it when set.",
     )
     oom_hook_spool_scan_s: float = Field(2.0, gt=0, le=3600, description="How often that folder is scanned.")
     capture_stream_buffer: int = Field(
