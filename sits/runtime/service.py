@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
@@ -40,8 +39,6 @@ from sits.runtime.metrics import start_metrics
 from sits.runtime.redis import connect_with
 from sits.runtime.settings import Settings
 from sits.runtime.signing import Signer
-
-log = logging.getLogger(__name__)
 
 S = TypeVar("S", bound=Settings)
 T = TypeVar("T")
@@ -118,7 +115,7 @@ class ServiceApp(Generic[S]):
         return self._producer
 
     async def consumer(self, topics: Sequence[str], handler: Handler, **options: Any) -> EventConsumer:
-        """A consumer in the service's group; `run` runs it, and it leaves the group when the app closes.
+        """A consumer in the service's group; `run` runs it, and it commits and stops when the app closes.
 
         Not started here: joining a group takes seconds on some brokers, so the gRPC server answers health
         checks first and the consumer joins in `run`. Dead letters go through the app's producer.
@@ -149,8 +146,8 @@ class ServiceApp(Generic[S]):
 
     async def run(self, *work: Awaitable[object], background: Iterable[Awaitable[object]] = ()) -> None:
         """Run the consumers and `work` until they end (they watch `stop` and drain), and `background`
-        until `stop` is set (then cancelled). `stop` is set once the work ends, or when any of it fails
-        (the failure propagates after the rest is cancelled)."""
+        until `stop` is set (then cancelled). `stop` is set once all the work has ended; a failure in any
+        of it cancels the rest and propagates (leaving the `async with` sets `stop` and closes everything)."""
         work = (*(consumer.run(self.stop) for consumer in self.consumers), *work)
         async with asyncio.TaskGroup() as tasks:
             waiting = [tasks.create_task(_awaited(item)) for item in background]
