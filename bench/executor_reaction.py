@@ -24,7 +24,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from bench.common import median, quantile, write_result
 from services.executor.adapters.engine import EngineControlClient
-from services.executor.main import build_executor, command_handler
+from services.executor.runner import build_executor, command_handler
 from services.executor.service import Executor
 from services.executor.settings import EngineEndpoints, ExecutorSettings
 from sits.runtime.bus import EventConsumer, EventProducer, ensure_topics
@@ -123,8 +123,9 @@ async def run(samples: int) -> None:
             executor_targets={ENGINE: EngineEndpoints(engine_addr=engine.address, control_addr=engine.control_address)},
         )
         await ensure_topics(settings)
+        client = connect(settings.redis_url)
         async with EventProducer(settings) as producer, EngineControlClient(engine.control_address) as control:
-            executor = build_executor(settings, producer, redis_prefix=redis_prefix)
+            executor = build_executor(settings, producer, client, redis_prefix=redis_prefix)
             ceiling = (await control.state()).info.max_num_seqs
             reaction = await measure(settings, producer, executor, control, ceiling, samples, f"{prefix}exec")
             direct: list[float] = []
@@ -134,7 +135,6 @@ async def run(samples: int) -> None:
                 await control.set_limits({"max_num_running_reqs": cap})
                 direct.append((time.perf_counter() - start) * 1000)
             raw = await raw_roundtrip_ms(broker.bootstrap, f"{prefix}raw", samples)
-        client = connect(settings.redis_url)
         keys = [k async for k in client.scan_iter(match=f"{redis_prefix}*", count=1000)]
         if keys:
             await client.delete(*keys)

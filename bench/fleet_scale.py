@@ -43,7 +43,7 @@ from bench import reliability_harness as h
 from bench.common import quantile, write_result
 from services.capture.publisher import CapturePublisher, TopicEnsuringProducer
 from services.capture.spool import Spool
-from services.decision.main import DEFAULT_POLICY_FILE
+from services.decision.settings import DEFAULT_POLICY_FILE
 from sits.fleet.sim import Fleet, TraceFrames, load_frames, trace_paths
 from sits.runtime.events import Topics, new_meta, seconds
 from sits.runtime.kafka_security import kafka_options_for

@@ -135,7 +135,7 @@ def stack_config(
         "SITS_VALIDATOR_SETTLE_S": json.dumps({"SET_PRESSURE": 1.0}),
         "SITS_NVML_ENABLED": "false",
         "SITS_LOG_LEVEL": "WARNING",
-        "SITS_SPOOL_FSYNC": "never",
+        "SITS_CAPTURE_SPOOL_FSYNC": "never",
     }
     if replay_trace is not None:
         env.update(

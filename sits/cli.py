@@ -40,10 +40,7 @@ TOOLS = (
 
 def _service_runner(name: str) -> Callable[[argparse.Namespace], int]:
     def run(_args: argparse.Namespace) -> int:
-        from sits.runtime.lifecycle import run_service
-
-        main = importlib.import_module(f"services.{name}.main")
-        return run_service(name, main.SETTINGS, main.serve)
+        return int(importlib.import_module(f"services.{name}.main").main())
 
     return run
 

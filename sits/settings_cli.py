@@ -10,36 +10,49 @@ from pydantic_settings import BaseSettings
 from rich.console import Console
 from rich.table import Table
 
-from sits.runtime.settings import ENV_PREFIX, Settings
+from sits.runtime.settings import Settings, former_names, variable_of
 
 REPO = Path(__file__).resolve().parents[1]
+# Per service: the module and class of its settings (`sits mesh ext-proc` reads only the shared ones).
 SERVICE_SETTINGS = {
-    "capture": "services.capture.main",
-    "decision": "services.decision.main",
-    "executor": "services.executor.main",
-    "validator": "services.validator.main",
+    "capture": ("services.capture.settings", "CaptureSettings"),
+    "decision": ("services.decision.settings", "DecisionSettings"),
+    "executor": ("services.executor.settings", "ExecutorSettings"),
+    "validator": ("services.validator.settings", "ValidatorSettings"),
+}
+# Variables read inside vLLM's processes (no settings class there): module of their ENVIRONMENT rows.
+ENGINE_VARIABLES = {
+    "vLLM (OOM hook)": "services.capture.oom_hook.hook",
+    "vLLM (scheduler plugin)": "services.executor.vllm_plugin.environment",
 }
 
 
 def all_settings() -> list[tuple[str, str, str, str]]:
-    """(variable, scope, default, description) for every setting, shared ones first."""
+    """(variable, scope, default, description) for every setting, shared ones first, then the engine's."""
     rows: list[tuple[str, str, str, str]] = []
     seen: set[str] = set()
     classes: list[tuple[str, type[BaseSettings]]] = [("all services", Settings)]
-    for scope, module_name in SERVICE_SETTINGS.items():
-        try:
-            classes.append((scope, importlib.import_module(module_name).SETTINGS))
-        except (ImportError, AttributeError):
-            continue
+    for scope, (module_name, class_name) in SERVICE_SETTINGS.items():
+        classes.append((scope, getattr(importlib.import_module(module_name), class_name)))
     for scope, cls in classes:
         for name, field in cls.model_fields.items():
-            alias = field.validation_alias
-            variable = alias if isinstance(alias, str) else f"{ENV_PREFIX}{name.upper()}"
+            variable = variable_of(name, field.validation_alias)
             if variable in seen:
                 continue
             seen.add(variable)
             default = "" if field.default_factory is not None else _shown(field.default)
-            rows.append((variable, scope, default, field.description or ""))
+            description = field.description or ""
+            former = former_names(field.validation_alias)
+            if former:
+                description += f" (Formerly {', '.join(former)}, still read.)"
+            rows.append((variable, scope, default, description))
+    for scope, module_name in ENGINE_VARIABLES.items():
+        for variable, default, description in importlib.import_module(module_name).ENVIRONMENT:
+            if variable in seen:  # one variable for both sides (the engine-control address, the hook spool)
+                rows = [(v, f"{s}, {scope}" if v == variable else s, d, m) for v, s, d, m in rows]
+                continue
+            seen.add(variable)
+            rows.append((variable, scope, repr(default), description))
     return rows
 
 

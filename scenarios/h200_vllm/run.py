@@ -306,7 +306,7 @@ class Run:
             ready_s = asyncio.run(self._wait_engine(engine, a.engine_timeout_s))
             result["engine_ready_s"] = round(ready_s, 1)
             result["engine_pids"] = engine.pids()
-            env["SITS_ENGINE_PIDS"] = json.dumps(result["engine_pids"])
+            env["SITS_CAPTURE_ENGINE_PIDS"] = json.dumps(result["engine_pids"])
             services = Services(names, env, self.logs, tag)
             services.start()
             result["services_ready_s"] = services.wait_serving()

@@ -144,14 +144,14 @@ def services_env(
             "SITS_EXECUTOR_VERIFY_KEYS_FILE": str(keys),
             **{f"SITS_{name.upper()}_ADDR": f"127.0.0.1:{port}" for name, port in ports.items()},
             # capture: NVML on the engine's GPU at 10 Hz, the plugin's state 4 times a second
-            "SITS_ENGINE_NAME": engine_name,
-            "SITS_ENGINE_GPU_UUID": gpu_uuid,
-            "SITS_ENGINE_PIDS": json.dumps(engine_pids),
+            "SITS_CAPTURE_ENGINE_NAME": engine_name,
+            "SITS_CAPTURE_ENGINE_GPU_UUID": gpu_uuid,
+            "SITS_CAPTURE_ENGINE_PIDS": json.dumps(engine_pids),
             "SITS_NVML_ENABLED": "true" if nvml else "false",
             "SITS_NVML_HZ": "10",
             "SITS_ENGINE_CONTROL_ADDR": control_addr,
             "SITS_ENGINE_CONTROL_INTERVAL_S": "0.25",
-            "SITS_SPOOL_DIR": str(work / f"{prefix}spool"),
+            "SITS_CAPTURE_SPOOL_DIR": str(work / f"{prefix}spool"),
             "SITS_OOM_HOOK_SPOOL_DIR": str(work / "hook-spool"),
             # decision: the policy, and the engine's model shape for the activation estimate
             "SITS_DECISION_POLICY_FILE": str(policy_file),

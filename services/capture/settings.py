@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import Field
 
 from services.capture.spool import FsyncPolicy
-from sits.runtime.settings import Settings
+from sits.runtime.settings import Settings, renamed
 
 
 class CaptureSettings(Settings):
@@ -32,25 +32,57 @@ class CaptureSettings(Settings):
     vllm_metrics_url: str = Field("", description="vLLM Prometheus endpoint (http://host:port/metrics); empty: off.")
     vllm_metrics_interval_s: float = Field(1.0, gt=0, le=60, description="Prometheus scrape period.")
     vllm_timeout_s: float = Field(2.0, gt=0, le=60, description="Deadline of one GetLoads call or /metrics scrape.")
-    engine_name: str = Field("vllm-0", description="Target.engine of the engine this capture watches.")
-    engine_gpu_uuid: str = Field("", description="GPU UUID of the watched engine, for its samples' target.")
-    engine_pids: list[int] = Field(default_factory=list, description="PIDs of the engine's processes (JSON list).")
+    capture_engine_name: str = Field(
+        "vllm-0",
+        validation_alias=renamed("SITS_CAPTURE_ENGINE_NAME", "SITS_ENGINE_NAME"),
+        description="Target.engine of the engine this capture watches.",
+    )
+    capture_engine_gpu_uuid: str = Field(
+        "",
+        validation_alias=renamed("SITS_CAPTURE_ENGINE_GPU_UUID", "SITS_ENGINE_GPU_UUID"),
+        description="GPU UUID of the watched engine, for its samples' target.",
+    )
+    capture_engine_pids: list[int] = Field(
+        default_factory=list,
+        validation_alias=renamed("SITS_CAPTURE_ENGINE_PIDS", "SITS_ENGINE_PIDS"),
+        description="PIDs of the engine's processes (JSON list).",
+    )
     replay_trace: Path | None = Field(None, description="Replay this SITS trace v1 file as a source (demos, tests).")
     replay_speed: float = Field(1.0, gt=0, le=1000, description="Replay speed: 1 real time, 10 ten times faster.")
     replay_loop: bool = Field(False, description="Start the trace again when it ends.")
     replay_as_engine: bool = Field(
         False,
-        description="Replay the trace as this capture's own engine (SITS_ENGINE_NAME on SITS_ENGINE_GPU_UUID), so "
+        description="Replay the trace as this capture's own engine (SITS_CAPTURE_ENGINE_NAME on "
+        "SITS_CAPTURE_ENGINE_GPU_UUID), so "
         "SITS acts on a live engine while memory follows a recorded one.",
     )
-    spool_dir: Path = Field(Path("/var/lib/sits/capture-spool"), description="Durable spool for unpublished events.")
-    spool_max_bytes: int = Field(
-        256 << 20, ge=4096, description="Spool bound; metric samples are dropped oldest-first past it, OOMs never."
+    capture_spool_dir: Path = Field(
+        Path("/var/lib/sits/capture-spool"),
+        validation_alias=renamed("SITS_CAPTURE_SPOOL_DIR", "SITS_SPOOL_DIR"),
+        description="Durable spool for unpublished events.",
     )
-    spool_fsync: FsyncPolicy = Field(FsyncPolicy.INTERVAL, description="fsync policy: always, interval or never.")
-    spool_fsync_interval_s: float = Field(1.0, gt=0, le=60, description="Most time between fsyncs with 'interval'.")
+    capture_spool_max_bytes: int = Field(
+        256 << 20,
+        ge=4096,
+        validation_alias=renamed("SITS_CAPTURE_SPOOL_MAX_BYTES", "SITS_SPOOL_MAX_BYTES"),
+        description="Spool bound; metric samples are dropped oldest-first past it, OOMs never.",
+    )
+    capture_spool_fsync: FsyncPolicy = Field(
+        FsyncPolicy.INTERVAL,
+        validation_alias=renamed("SITS_CAPTURE_SPOOL_FSYNC", "SITS_SPOOL_FSYNC"),
+        description="fsync policy: always, interval or never.",
+    )
+    capture_spool_fsync_interval_s: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        validation_alias=renamed("SITS_CAPTURE_SPOOL_FSYNC_INTERVAL_S", "SITS_SPOOL_FSYNC_INTERVAL_S"),
+        description="Most time between fsyncs with 'interval'.",
+    )
     oom_hook_spool_dir: Path | None = Field(
-        None, description="Folder the in-process OOM hooks spool into when capture was unreachable; ingested here."
+        None,
+        description="Folder the in-process OOM hooks spool into when capture was unreachable (the hook's own "
+        "default: /tmp/sits-oom-spool); capture ingests it when set.",
     )
     oom_hook_spool_scan_s: float = Field(2.0, gt=0, le=3600, description="How often that folder is scanned.")
     capture_stream_buffer: int = Field(

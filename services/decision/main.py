@@ -1,293 +1,48 @@
 """Wiring of the decision service: Kafka in (metrics, OOM, results, verdicts), Kafka out (commands), gRPC API.
 
-Thin on purpose: decoding, the domain engine and encoding. Commands are
-published before the consumer commits the sample that caused them
-(at-least-once); their command_id is derived from the cause's event id, so a
-re-delivered sample yields the same command id and the executor skips it.
-The tier controller runs on its own fixed tick (the policy's
-`controller.tick_s`), over the latest signals the samples brought; results and
-verdicts on its commands come back to it from the executor and the validator.
-Every command is signed with the first key of SITS_COMMAND_SIGNING_KEY_FILE:
-executors apply no unsigned command.
-
-Replicas share the group SITS_DECISION_GROUP; each ticks only the targets on
-the partitions it owns. On a move the per-target state goes through Redis
-(services/decision/handover.py) and the new owner rebuilds forecast windows by
-reading the last SITS_DECISION_REPLAY_RECORDS records of each metrics partition
-again (docs/fleet.md).
+The work itself is in services/decision/service.py. Every command is signed with
+the first key of SITS_COMMAND_SIGNING_KEY_FILE: executors apply no unsigned command.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import logging
-import time
-from pathlib import Path
-from typing import Any
 
-from aiokafka import TopicPartition
-from pydantic import Field
-
-from services.decision import convert, metrics
-from services.decision.domain.admission import EngineProfile
-from services.decision.domain.engine import ActionOutcome, DecisionEngine
-from services.decision.domain.kv_model import ModelShape, known_model, shape_from_hf_config
-from services.decision.domain.policy import parse_policy
-from services.decision.domain.types import ActionKind, PlannedCommand
 from services.decision.grpc_api import MUTATING_METHODS, SERVICE_NAME, DecisionService
 from services.decision.handover import HandoverStore
-from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics, partition_of
-from sits.runtime.clock import Clock, SystemClock
-from sits.runtime.events import Topics, seconds
-from sits.runtime.grpc_tls import server_credentials
-from sits.runtime.grpcserver import GrpcServer, ServiceBinding, read_token
-from sits.runtime.metrics import serve_metrics
-from sits.runtime.redis import connect_with
-from sits.runtime.settings import CommandSigningSettings
-from sits.runtime.signing import Signer, file_signer
-from sits.v1 import decision_pb2_grpc, events_pb2
+from services.decision.service import DecisionHandler, PartitionMoves, build_engine, command_signer, run_ticks
+from services.decision.settings import DEFAULT_POLICY_FILE, DecisionSettings
+from sits.runtime.clock import SystemClock
+from sits.runtime.grpcserver import ServiceBinding
+from sits.runtime.lifecycle import run_service
+from sits.runtime.service import ServiceApp
+from sits.v1 import decision_pb2_grpc
 
-log = logging.getLogger(__name__)
-DEFAULT_POLICY_FILE = Path(__file__).with_name("default_policy.yaml")
-
-
-class DecisionSettings(CommandSigningSettings):
-    decision_policy_file: Path = Field(DEFAULT_POLICY_FILE, description="Healing policy YAML loaded at start.")
-    decision_engine_models: dict[str, str] = Field(
-        default_factory=dict,
-        description="Engine name -> known model name (sits estimate's table) or the path of the model's "
-        "config.json, to turn tokens into KV and activation bytes.",
-    )
-    decision_group: str = Field(
-        "sits-decision", description="Kafka consumer group of the decision service (after SITS_TOPIC_PREFIX)."
-    )
-    decision_replay_records: int = Field(
-        2000,
-        ge=0,
-        le=1_000_000,
-        description="Records of a metrics partition read again, before its committed offset, when a decision "
-        "replica is assigned it: they rebuild the forecast windows of the targets it takes over (0: none).",
-    )
-
-
+__all__ = ["DEFAULT_POLICY_FILE", "SETTINGS", "DecisionSettings", "main", "serve"]
 SETTINGS = DecisionSettings
 
 
-class DecisionHandler:
-    """Turns received metric samples and OOM events into published HealingCommands."""
-
-    def __init__(self, engine: DecisionEngine, producer: EventProducer, topics: Topics) -> None:
-        self._engine = engine
-        self._producer = producer
-        self._topics = topics
-        self._drops_exported: dict[str, int] = {}
-        self._pending: list[asyncio.Future[Any]] = []
-
-    def _export_drops(self) -> None:
-        drops = self._engine.drops
-        if drops.total() == sum(self._drops_exported.values()):
-            return
-        for reason, count in drops.as_dict().items():
-            metrics.DROPPED_SAMPLES.labels(reason=reason).inc(count - self._drops_exported.get(reason, 0))
-        self._drops_exported = drops.as_dict()
-
-    async def __call__(self, event: ReceivedEvent) -> None:
-        message = event.message
-        if event.replay:
-            if isinstance(message, events_pb2.MetricSample):
-                self._engine.warm(convert.sample_from_pb(message))
-            return
-        started = time.perf_counter()
-        if isinstance(message, events_pb2.MetricSample):
-            sample = convert.sample_from_pb(message)
-            commands = self._engine.observe(sample)
-            forecast = self._engine.forecast_of(sample.target)
-            if forecast is not None:
-                metrics.export_forecast(sample.target, forecast, self._engine.policy.spec.forecast.horizon_s)
-            if sample.engine is not None and sample.engine.tiers:
-                metrics.export_tiers(sample.target.engine, sample.engine.tiers)
-            self._export_drops()
-        elif isinstance(message, events_pb2.OomEvent):
-            commands = self._engine.observe_oom(convert.oom_from_pb(message))
-        elif isinstance(message, events_pb2.ValidationVerdict):
-            outcome = events_pb2.Verdict.Name(message.verdict).removeprefix("VERDICT_")
-            self._engine.observe_verdict(message.command_id, outcome, seconds(message.meta.produced_at))
-            return
-        elif isinstance(message, events_pb2.ActionResult):
-            self._observe_result(message)
-            return
-        else:
-            return
-        metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
-        # Delivered before the batch's offsets are committed (EventConsumer before_commit).
-        await self.publish(commands, wait=False)
-
-    def _observe_result(self, result: events_pb2.ActionResult) -> None:
-        status = events_pb2.ActionStatus.Name(result.status).removeprefix("ACTION_STATUS_")
-        budget = sum(limit.max_requests for limit in result.after.budget) if result.after.budget else None
-        self._engine.observe_result(
-            ActionOutcome(
-                command_id=result.command_id,
-                action_id=result.action_id,
-                status=status,
-                rolled_back_action_id=result.rolled_back_action_id,
-                t=seconds(result.meta.produced_at),
-                budget=budget,
-            )
-        )
-
-    async def tick(self, now: float) -> None:
-        commands = self._engine.tick(now)
-        metrics.P0_OBJECTIVE.set(self._engine.policy.spec.controller.p0_queue_wait_p90_s)
-        for command in commands:
-            if command.kind is ActionKind.SET_TIER_BUDGET:
-                limits = command.params.get("limits")
-                metrics.export_budget(command.target.engine, limits if isinstance(limits, dict) else None)
-        await self.publish(commands)
-
-    async def delivered(self) -> None:
-        """Wait until every command enqueued since the last call is on the broker (before the samples that
-        caused them are committed). Enqueuing instead of waiting per command lets one broker round trip
-        carry a whole batch's commands: under a fleet's load that round trip, not CPU, bounds the decision."""
-        pending, self._pending = self._pending, []
-        if pending:
-            await asyncio.gather(*pending)
-
-    async def publish(self, commands: list[PlannedCommand], *, wait: bool = True) -> None:
-        deliveries: list[asyncio.Future[Any]] = []
-        for command in commands:
-            metrics.COMMANDS.labels(kind=command.kind.value.lower(), rule=command.rule).inc()
-            if command.reason != "controller renew: lower-tier budget renewed":
-                log.info(
-                    "command %s %s for %s: %s",
-                    command.command_id,
-                    command.kind.value,
-                    command.target.key,
-                    command.reason,
-                )
-            deliveries.append(await self._producer.enqueue(self._topics.commands, convert.command_to_pb(command)))
-        if wait:
-            await asyncio.gather(*deliveries)
-        else:
-            self._pending.extend(deliveries)
-
-
-def build_engine(settings: DecisionSettings, clock: Clock) -> DecisionEngine:
-    policy = parse_policy(settings.decision_policy_file.read_text(), version=1)
-    profiles = {engine: EngineProfile(model_shape(model)) for engine, model in settings.decision_engine_models.items()}
-    return DecisionEngine(policy, clock, profiles)
-
-
-def command_signer(settings: CommandSigningSettings, service: str) -> Signer | None:
-    """The signer of the commands `service` publishes; None (and a warning) when no key file is set."""
-    signer = file_signer(settings.command_signing_key_file)
-    if signer is None:
-        log.warning(
-            "%s: no SITS_COMMAND_SIGNING_KEY_FILE: commands go out unsigned, and executors refuse them", service
-        )
-    else:
-        log.info("%s signs commands with key id %s", service, signer.key_id)
-    return signer
-
-
-def model_shape(model: str) -> ModelShape:
-    """A known model's shape, or the shape a Hugging Face config.json names."""
-    if model.endswith(".json"):
-        return shape_from_hf_config(json.loads(Path(model).read_text()), name=Path(model).parent.name or model)
-    return known_model(model)
-
-
-async def serve(settings: DecisionSettings, stop: asyncio.Event) -> None:
+async def serve(settings: DecisionSettings, stop: asyncio.Event | None = None) -> None:
     engine = build_engine(settings, SystemClock())
-    topics = Topics(settings.topic_prefix)
-    serve_metrics(settings.metrics_port, settings.metrics_bind)
-    await ensure_topics(settings)
-    server = GrpcServer(
-        [ServiceBinding(decision_pb2_grpc.add_DecisionServicer_to_server, DecisionService(engine), SERVICE_NAME)],
-        bind=settings.grpc_bind,
-        port=settings.port_of(settings.decision_addr),
-        token=read_token(settings.auth_token_file),
-        mutating_methods=MUTATING_METHODS,
-        max_message_bytes=settings.grpc_max_message_bytes,
-        credentials=server_credentials(settings),
-    )
-    signer = command_signer(settings, "decision")
-    group = f"{settings.topic_prefix}{settings.decision_group}"
-    redis = connect_with(settings)
-    async with EventProducer(settings, signer=signer) as producer, server:
-        handler = DecisionHandler(engine, producer, topics)
-        moves = PartitionMoves(engine, HandoverStore(redis, settings.topic_prefix, group), topics.metrics)
-        consumer = EventConsumer(
-            settings,
-            group_id=group,
-            topics=[topics.metrics, topics.oom, topics.results, topics.validation],
-            handler=handler,
-            dead_letters=producer,
+    async with ServiceApp("decision", settings, stop) as app:
+        producer = await app.producer(signer=command_signer(settings, "decision"))
+        servicer = DecisionService(engine)
+        binding = ServiceBinding(decision_pb2_grpc.add_DecisionServicer_to_server, servicer, SERVICE_NAME)
+        await app.grpc([binding], addr=settings.decision_addr, mutating_methods=MUTATING_METHODS)
+        handler = DecisionHandler(engine, producer, app.topics)
+        moves = PartitionMoves(engine, HandoverStore(app.redis(), settings.topic_prefix, app.group), app.topics.metrics)
+        moves.consumer = await app.consumer(
+            [app.topics.metrics, app.topics.oom, app.topics.results, app.topics.validation],
+            handler,
             on_assigned=moves.assigned,
             on_revoked=moves.revoked,
-            replay={topics.metrics: settings.decision_replay_records},
+            replay={app.topics.metrics: settings.decision_replay_records},
             before_commit=handler.delivered,
         )
-        moves.consumer = consumer
-        async with contextlib.AsyncExitStack() as stack:
-            stack.push_async_callback(redis.aclose)
-            await stack.enter_async_context(consumer)
-            tasks = await stack.enter_async_context(asyncio.TaskGroup())
-            tasks.create_task(run_ticks(handler, engine, stop))
-            await consumer.run(stop)
-
-
-class PartitionMoves:
-    """Hands targets over through Redis when the group moves partitions between decision replicas."""
-
-    def __init__(self, engine: DecisionEngine, store: HandoverStore, metrics_topic: str) -> None:
-        self._engine = engine
-        self._store = store
-        self._topic = metrics_topic
-        self.consumer: EventConsumer | None = None
-
-    def _count(self) -> int:
-        count = self.consumer.partition_count(self._topic) if self.consumer is not None else None
-        return count or 1
-
-    async def revoked(self, revoked: set[TopicPartition]) -> None:
-        lost = {tp.partition for tp in revoked}
-        if not lost:
-            return
-        count = self._count()
-        handed = self._engine.hand_over(lambda key: partition_of(key, count) in lost)
-        by_partition: dict[int, dict[str, dict[str, Any]]] = {}
-        for key, data in handed.items():
-            by_partition.setdefault(partition_of(key, count), {})[key] = data
-        written = await self._store.put(by_partition)
-        log.info("handed over %d target(s) on partition(s) %s", written, sorted(lost))
-
-    async def assigned(self, assigned: set[TopicPartition]) -> None:
-        gained = {tp.partition for tp in assigned}
-        count = self._count()
-        # Targets of partitions this replica no longer owns (a move it did not see revoked): not ours to tick.
-        self._engine.hand_over(lambda key: partition_of(key, count) not in gained)
-        taken = self._engine.take_over(await self._store.take(gained)) if gained else 0
-        log.info("assigned partition(s) %s; took over %d target(s)", sorted(gained), taken)
-
-
-async def run_ticks(handler: DecisionHandler, engine: DecisionEngine, stop: asyncio.Event) -> None:
-    """The controller's fixed tick (a policy change takes effect at the next one)."""
-    clock = SystemClock()
-    while not stop.is_set():
-        try:
-            await handler.tick(clock.now())
-        except Exception:
-            log.exception("controller tick failed; next tick retries")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), engine.policy.spec.controller.tick_s)
+        await app.run(run_ticks(handler, engine, app.stop))
 
 
 def main() -> int:
-    from sits.runtime.lifecycle import run_service
-
     return run_service("decision", DecisionSettings, serve)
 
 

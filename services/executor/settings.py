@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.executor.adapters.mig import MigGpu
-from sits.runtime.settings import Settings
+from sits.runtime.settings import Settings, renamed
 
 
 class EngineEndpoints(BaseModel):
@@ -30,7 +30,11 @@ class ExecutorSettings(Settings):
     envoy_pressure_file: Path | None = Field(
         None, description="File Envoy's injected_resource overload monitor reads; replaced by atomic rename."
     )
-    executor_group_id: str = Field("sits-executor", description="Kafka consumer group for healing commands.")
+    executor_group: str = Field(
+        "sits-executor",
+        validation_alias=renamed("SITS_EXECUTOR_GROUP", "SITS_EXECUTOR_GROUP_ID"),
+        description="Kafka consumer group of the executor replicas (after SITS_TOPIC_PREFIX), for healing commands.",
+    )
     executor_lease_ttl_ms: int = Field(
         10_000, ge=100, le=600_000, description="Per-target lease lifetime; bounds how long a crashed executor blocks."
     )
@@ -40,14 +44,34 @@ class ExecutorSettings(Settings):
     executor_reconcile_interval_s: float = Field(
         1.0, gt=0.0, le=60.0, description="How often breaker TTLs are re-evaluated and pushed to Envoy."
     )
-    breaker_closed_max_requests: int = Field(1024, ge=1, description="Envoy max_requests of a closed tier.")
-    breaker_half_open_max_requests: int = Field(4, ge=1, description="Envoy max_requests while half-open (probes).")
-    breaker_default_ttl_s: int = Field(30, ge=1, le=86_400, description="Open time of a breaker without a TTL.")
+    executor_breaker_closed_max_requests: int = Field(
+        1024,
+        ge=1,
+        validation_alias=renamed("SITS_EXECUTOR_BREAKER_CLOSED_MAX_REQUESTS", "SITS_BREAKER_CLOSED_MAX_REQUESTS"),
+        description="Envoy max_requests of a closed tier.",
+    )
+    executor_breaker_half_open_max_requests: int = Field(
+        4,
+        ge=1,
+        validation_alias=renamed("SITS_EXECUTOR_BREAKER_HALF_OPEN_MAX_REQUESTS", "SITS_BREAKER_HALF_OPEN_MAX_REQUESTS"),
+        description="Envoy max_requests while half-open (probes).",
+    )
+    executor_breaker_default_ttl_s: int = Field(
+        30,
+        ge=1,
+        le=86_400,
+        validation_alias=renamed("SITS_EXECUTOR_BREAKER_DEFAULT_TTL_S", "SITS_BREAKER_DEFAULT_TTL_S"),
+        description="Open time of a breaker without a TTL.",
+    )
     executor_mig_gpus: dict[str, MigGpu] = Field(
         default_factory=dict,
         description='MIG GPU under each target, as JSON: {"vllm-0": {"model": "h200-141gb", "device_index": 0}}.',
     )
-    mig_apply: bool = Field(False, description="Let MIG rebalancing change the GPU; off, every MIG plan is a dry run.")
+    executor_mig_apply: bool = Field(
+        False,
+        validation_alias=renamed("SITS_EXECUTOR_MIG_APPLY", "SITS_MIG_APPLY"),
+        description="Let MIG rebalancing change the GPU; off, every MIG plan is a dry run.",
+    )
     executor_verify_keys_file: Path | None = Field(
         None,
         description="Key ring the executor checks command signatures with: every key in the file is accepted "

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from aiokafka import TopicPartition
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -30,7 +31,7 @@ from services.validator.domain import (
     Validator,
     settle_seconds,
 )
-from sits.runtime.bus import EventProducer, ReceivedEvent
+from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, partition_of
 from sits.runtime.clock import Clock
 from sits.runtime.events import Topics, header_value, new_meta, seconds
 from sits.runtime.fanout import Fanout
@@ -251,3 +252,30 @@ def engine_observation(engine: events_pb2.EngineLoad, at: float) -> EngineObserv
 def _target_from_key(key: str) -> common_pb2.Target:
     host, gpu, mig, engine = [*key.split("/"), "", "", ""][:4]
     return common_pb2.Target(host=host, gpu_uuid=gpu, mig_instance=mig, engine=engine)
+
+
+class PendingMoves:
+    """Watches follow their targets' partitions: pending verdicts live in Redis, so a replica that gains a
+    partition picks them up there and one that loses it simply stops judging them."""
+
+    def __init__(self, service: ValidatorService, results_topic: str) -> None:
+        self._service = service
+        self._topic = results_topic
+        self.consumer: EventConsumer | None = None
+
+    def _count(self) -> int:
+        count = self.consumer.partition_count(self._topic) if self.consumer is not None else None
+        return count or 1
+
+    async def revoked(self, revoked: set[TopicPartition]) -> None:
+        lost = {tp.partition for tp in revoked}
+        count = self._count()
+        released = self._service.release(lambda key: partition_of(key, count) in lost)
+        log.info("partition(s) %s revoked: %d pending watch(es) left to their next owner", sorted(lost), released)
+
+    async def assigned(self, assigned: set[TopicPartition]) -> None:
+        mine = {tp.partition for tp in assigned}
+        count = self._count()
+        self._service.release(lambda key: partition_of(key, count) not in mine)
+        resumed = await self._service.resume(lambda key: partition_of(key, count) in mine)
+        log.info("assigned partition(s) %s: %d pending watch(es) resumed", sorted(mine), resumed)

@@ -199,7 +199,7 @@ async def start_sits(
     metrics_url = f"http://127.0.0.1:{processor_metrics_port}/metrics"
     env = {
         "SITS_NVML_ENABLED": "false",
-        "SITS_ENGINE_NAME": ENGINE,
+        "SITS_CAPTURE_ENGINE_NAME": ENGINE,
         # The plugin's state is the engine sample (tiers, limits, exact KV blocks); vLLM's own GetLoads
         # would interleave samples without them.
         "SITS_ENGINE_CONTROL_ADDR": engine.control_address,

@@ -2,8 +2,9 @@
 
 A service is an async function `serve(settings, stop)` that runs until the
 `stop` event is set and then drains: it finishes the record in hand, commits
-and closes its clients (async context managers). SIGTERM and the first SIGINT
-set `stop`; a second SIGINT exits at once.
+and closes its clients (`sits.runtime.service.ServiceApp` owns them). Run as a
+process, `stop` is None and the app makes its own: SIGTERM and the first SIGINT
+set it; a second SIGINT exits at once.
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from sits.runtime.settings import S, SettingsError, load_settings
 from sits.runtime.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
 
-Serve = Callable[[S, asyncio.Event], Awaitable[None]]
+# `stop` None: the service runs as the process and stops on SIGTERM/SIGINT.
+Serve = Callable[[S, asyncio.Event | None], Coroutine[Any, Any, None]]
 
 
 def setup_logging(level: str) -> None:
@@ -33,7 +36,8 @@ def setup_logging(level: str) -> None:
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL if level != "DEBUG" else logging.DEBUG)
 
 
-def install_stop_signals(stop: asyncio.Event) -> None:
+def install_stop_signals(stop: asyncio.Event) -> Callable[[], None]:
+    """SIGTERM and SIGINT set `stop`; returns what puts the previous handlers back."""
     loop = asyncio.get_running_loop()
     interrupts = 0
 
@@ -53,9 +57,15 @@ def install_stop_signals(stop: asyncio.Event) -> None:
     loop.add_signal_handler(signal.SIGINT, on_interrupt)
     loop.add_signal_handler(signal.SIGTERM, on_term)
 
+    def remove() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
-def run_service(name: str, settings_cls: type[S], serve: Callable[[S, asyncio.Event], Awaitable[None]]) -> int:
-    """Load settings (failing fast), set up logs and traces, and run `serve` until stopped."""
+    return remove
+
+
+def run_service(name: str, settings_cls: type[S], serve: Serve[S]) -> int:
+    """Load settings (failing fast), set up logs and traces, and run `serve` until a signal stops it."""
     try:
         settings = load_settings(settings_cls)
     except SettingsError as err:
@@ -64,10 +74,5 @@ def run_service(name: str, settings_cls: type[S], serve: Callable[[S, asyncio.Ev
     setup_logging(settings.log_level)
     setup_tracing(f"sits-{name}", settings.otlp_endpoint)
 
-    async def main() -> None:
-        stop = asyncio.Event()
-        install_stop_signals(stop)
-        await serve(settings, stop)
-
-    asyncio.run(main())
+    asyncio.run(serve(settings, None))
     return 0

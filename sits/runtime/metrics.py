@@ -6,6 +6,8 @@ in deploy/; a service adds its own metrics beside these, prefixed `sits_`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 EVENTS_IN = Counter("sits_events_in_total", "Events handled, by topic and type.", ["topic", "type"])
@@ -32,5 +34,17 @@ GRPC_REJECTED = Counter("sits_grpc_rejected_total", "gRPC calls refused before t
 
 def serve_metrics(port: int, addr: str = "127.0.0.1") -> int:
     """Start the /metrics endpoint in a background thread; returns the bound port."""
-    server, _thread = start_http_server(port, addr=addr)
-    return int(server.server_address[1])
+    return start_metrics(port, addr)[0]
+
+
+def start_metrics(port: int, addr: str = "127.0.0.1") -> tuple[int, Callable[[], None]]:
+    """Start the /metrics endpoint in a background thread; returns the bound port and what stops it
+    (and frees the port), for processes that stop without exiting (tests, embedded stacks)."""
+    server, thread = start_http_server(port, addr=addr)
+
+    def shutdown() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return int(server.server_address[1]), shutdown

@@ -3,8 +3,9 @@
 One name everywhere: every setting is read from an environment variable
 `SITS_<FIELD>` (upper case), frozen once loaded, and validated so that a bad
 value stops the process at start with a message naming the variable. Each
-service extends `Settings` with its own fields; `scripts/settings_doc.py`
-renders all of them into the README.
+service extends `Settings` with its own fields, named after the service
+(`SITS_<SERVICE>_...`); a setting renamed keeps its old names readable through
+`renamed`. `sits settings --markdown` renders all of them into the README.
 """
 
 from __future__ import annotations
@@ -13,13 +14,36 @@ import socket
 from pathlib import Path
 from typing import Any, Literal, Self, TypeVar
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import AliasChoices, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "SITS_"
 
 KafkaSecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 KafkaSaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+
+
+def renamed(new: str, *old: str) -> AliasChoices:
+    """`validation_alias` of a setting now named `new` (its SITS_<FIELD>) that existing deployments still
+    set under its `old` names; `new` wins when both are set."""
+    return AliasChoices(new, *old)
+
+
+def variable_of(field: str, alias: object) -> str:
+    """The environment variable a field is read from (its first name when renamed)."""
+    if isinstance(alias, str):
+        return alias
+    if isinstance(alias, AliasChoices) and isinstance(alias.choices[0], str):
+        return alias.choices[0]
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def former_names(alias: object) -> list[str]:
+    """The old names a renamed setting is still read under."""
+    if isinstance(alias, AliasChoices):
+        return [choice for choice in alias.choices[1:] if isinstance(choice, str)]
+    return []
 
 
 class SettingsError(Exception):
@@ -29,7 +53,8 @@ class SettingsError(Exception):
 class Settings(BaseSettings):
     """Settings every service reads."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore")
+    # populate_by_name: code and tests build settings by field name, renamed fields included.
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore", populate_by_name=True)
 
     kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers, host:port[,host:port].")
     kafka_enable_idempotence: bool = Field(
@@ -186,6 +211,15 @@ class CommandSigningSettings(Settings):
 S = TypeVar("S", bound=Settings)
 
 
+def _renamed_field(cls: type[Settings], variable: str) -> FieldInfo | None:
+    """The field read under `variable`, one of the names of a renamed setting."""
+    for info in cls.model_fields.values():
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices) and variable.upper() in {str(c).upper() for c in alias.choices}:
+            return info
+    return None
+
+
 def load_settings(cls: type[S] = Settings, **overrides: Any) -> S:  # type: ignore[assignment]
     """Read settings from the environment; raise SettingsError naming each bad variable."""
     try:
@@ -197,8 +231,10 @@ def load_settings(cls: type[S] = Settings, **overrides: Any) -> S:  # type: igno
             if not field:  # a check across settings: its message names the variables
                 lines.append(str(problem["msg"]).removeprefix("Value error, "))
                 continue
-            info = cls.model_fields.get(field)
+            info = cls.model_fields.get(field) or _renamed_field(cls, field)
             alias = info.validation_alias if info is not None else None
-            name = alias if isinstance(alias, str) else f"{ENV_PREFIX}{field.upper()}"
+            name = variable_of(field, alias)
+            if former_names(alias):
+                name += f" (or {', '.join(former_names(alias))})"
             lines.append(f"{name}: {problem['msg']} (got {problem.get('input')!r})")
         raise SettingsError("invalid settings:\n  " + "\n  ".join(lines)) from None

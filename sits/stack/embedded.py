@@ -168,7 +168,7 @@ class EmbeddedStack:
             "SITS_DECISION_ADDR": s.decision_addr,
             "SITS_EXECUTOR_ADDR": s.executor_addr,
             "SITS_VALIDATOR_ADDR": s.validator_addr,
-            "SITS_SPOOL_DIR": str(self.config.run_dir / "spool"),
+            "SITS_CAPTURE_SPOOL_DIR": str(self.config.run_dir / "spool"),
             "SITS_KAFKA_PARTITIONS": str(s.kafka_partitions),
             "PYTHONUNBUFFERED": "1",
         }

@@ -47,7 +47,7 @@ async def test_service_runs_end_to_end_from_settings(settings: Settings, tmp_pat
         **{**settings.model_dump(), "capture_addr": f"127.0.0.1:{port}"},
         replay_trace=TRACE,
         replay_speed=50.0,
-        spool_dir=tmp_path / "spool",
+        capture_spool_dir=tmp_path / "spool",
         oom_hook_spool_dir=tmp_path / "hooks",
     )
     stop = asyncio.Event()

@@ -12,9 +12,9 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from services.decision.main import DecisionSettings
+from services.decision.settings import DecisionSettings
 from services.executor.settings import ExecutorSettings
-from services.validator.main import ValidatorSettings
+from services.validator.settings import ValidatorSettings
 from sits.runtime.events import Topics
 from tests.deploy.test_k8s import BASE, Resource, config_map, matches, one, workload
 
@@ -22,7 +22,7 @@ CONSUMERS = ("decision", "executor", "validator")
 # The group each service joins, and the topic whose lag says it is behind (its busiest input).
 GROUPS = {
     "decision": (DecisionSettings.model_fields["decision_group"].default, Topics("").metrics),
-    "executor": (ExecutorSettings.model_fields["executor_group_id"].default, Topics("").commands),
+    "executor": (ExecutorSettings.model_fields["executor_group"].default, Topics("").commands),
     "validator": (ValidatorSettings.model_fields["validator_group"].default, Topics("").results),
 }
 

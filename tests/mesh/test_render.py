@@ -201,7 +201,8 @@ def test_the_bypass_route_comes_first_skips_the_processor_and_defaults_to_inspec
     assert [r["name"] for r in generate_routes(MeshPolicy())] == ["p0_generate"]
 
 
-def test_cli_serves_the_processor_with_its_metrics_and_stops_on_sigterm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("decision_from", ["flag", "SITS_DECISION_ADDR"])
+def test_cli_serves_the_processor_with_its_metrics_and_stops_on_sigterm(tmp_path: Path, decision_from: str) -> None:
     processor_port, metrics_port, nobody = free_port(), free_port(), free_port()
     policy_path = tmp_path / "policy.yaml"
     data = yaml.safe_load((REPO / "mesh" / "policy.yaml").read_text())
@@ -212,13 +213,18 @@ def test_cli_serves_the_processor_with_its_metrics_and_stops_on_sigterm(tmp_path
     argv = [sys.executable, "-m", "sits_mesh.cli", "ext-proc", "--policy", str(policy_path)]
     # Neither the decision service nor Envoy is there: the processor serves anyway (fail open)
     # and its bypass probe keeps every request inspected.
-    argv += ["--decision-addr", f"127.0.0.1:{nobody}", "--envoy-admin", f"http://127.0.0.1:{nobody}"]
+    argv += ["--envoy-admin", f"http://127.0.0.1:{nobody}"]
+    if decision_from == "flag":
+        argv += ["--decision-addr", f"127.0.0.1:{nobody}"]
+    else:  # the setting every SITS process reads, not a default of the command's own
+        env["SITS_DECISION_ADDR"] = f"127.0.0.1:{nobody}"
     child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
         assert child.stdout is not None
         banner = child.stdout.readline()
         assert f"admission processor on 127.0.0.1:{processor_port}" in banner, banner
         assert f"/metrics on 127.0.0.1:{metrics_port}" in banner
+        assert f"decision at 127.0.0.1:{nobody}," in banner
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
             exposition = response.read().decode()
         assert "# TYPE sits_shed_requests_total counter" in exposition

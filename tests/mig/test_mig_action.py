@@ -60,7 +60,7 @@ def test_apply_drains_first_then_changes_only_what_it_must() -> None:
 
 def test_apply_without_the_setting_is_refused() -> None:
     nvml, current = seeded("1g.18gb@4:b")
-    with pytest.raises(MigRebalanceRefused, match="SITS_MIG_APPLY is off") as refused:
+    with pytest.raises(MigRebalanceRefused, match="SITS_EXECUTOR_MIG_APPLY is off") as refused:
         rebalance(current, {"b": 20 * GIB}, NvmlMigApplier(nvml, H200_141GB), dry_run=False, drain=lambda _i: None)
     assert refused.value.before_json == current.to_json_text()
     assert nvml.mutating_calls() == []

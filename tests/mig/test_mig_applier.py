@@ -178,6 +178,8 @@ def test_apply_setting_comes_from_the_environment() -> None:
     assert apply_enabled_from_env({"SITS_MIG_APPLY": "true"})
     assert not apply_enabled_from_env({"SITS_MIG_APPLY": "0"})
     assert not apply_enabled_from_env({})
+    assert apply_enabled_from_env({"SITS_EXECUTOR_MIG_APPLY": "1"})
+    assert not apply_enabled_from_env({"SITS_EXECUTOR_MIG_APPLY": "0", "SITS_MIG_APPLY": "1"})
 
 
 @st.composite

@@ -24,7 +24,7 @@ from services.capture.spool import Spool
 from services.decision.domain.engine import DecisionEngine
 from services.decision.domain.policy import parse_policy
 from services.decision.grpc_api import MUTATING_METHODS, SERVICE_NAME, DecisionService
-from services.decision.main import DEFAULT_POLICY_FILE
+from services.decision.settings import DEFAULT_POLICY_FILE
 from sits.runtime.clock import SystemClock
 from sits.runtime.events import Topics
 from sits.runtime.grpc_tls import aio_channel, channel_credentials, server_credentials

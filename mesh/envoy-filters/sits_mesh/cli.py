@@ -3,14 +3,16 @@
 The lead wires `configure_parser` / `run` into the `sits` command:
     sits mesh render --policy mesh/policy.yaml --out DIR [--istio] [--validate]
     sits mesh ext-proc --policy mesh/policy.yaml [--decision-addr HOST:PORT] [--envoy-admin URL]
+
+ext-proc runs in the services' skeleton (`sits.runtime.service.ServiceApp`): settings from SITS_* variables
+(SITS_DECISION_ADDR is where the decision service is unless --decision-addr says otherwise), /metrics, and
+SIGTERM/SIGINT draining.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import signal
 import sys
 from pathlib import Path
 
@@ -31,7 +33,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
     serve = commands.add_parser("ext-proc", help="serve the admission external processor")
     serve.add_argument("--policy", type=Path, default=DEFAULT_POLICY, help="mesh policy YAML")
-    serve.add_argument("--decision-addr", default="127.0.0.1:50062", help="the decision service's gRPC address")
+    serve.add_argument(
+        "--decision-addr", default=None, help="the decision service's gRPC address (default: SITS_DECISION_ADDR)"
+    )
     serve.add_argument("--host-name", default="", help="Target.host sent in AdmitRequest")
     serve.add_argument(
         "--envoy-admin",
@@ -65,38 +69,39 @@ def _render(args: argparse.Namespace, policy: MeshPolicy) -> int:
 
 async def _serve(args: argparse.Namespace, policy: MeshPolicy) -> int:
     from sits.runtime.grpc_tls import channel_credentials
-    from sits.runtime.metrics import serve_metrics
-    from sits.runtime.settings import Settings, load_settings
+    from sits.runtime.service import ServiceApp
+    from sits.runtime.settings import Settings, SettingsError, load_settings
     from sits.v1 import common_pb2
     from sits_mesh.envoy_process import EnvoyAdmin
     from sits_mesh.ext_proc import DecisionAdmitter, ExtProcServer, FilePressure, serve_admission
 
+    try:
+        settings = load_settings(Settings)
+    except SettingsError as err:
+        print(f"sits mesh ext-proc: {err}", file=sys.stderr)
+        return 2
+    decision_addr = args.decision_addr or settings.decision_addr
     admission = policy.admission
     target = common_pb2.Target(host=args.host_name, engine=admission.engine)
-    # SITS_GRPC_TLS*: the decision service may serve TLS, and may want this process's certificate.
-    settings = load_settings(Settings)
-    admitter = DecisionAdmitter(
-        args.decision_addr, target, admission.decision_timeout_s, credentials=channel_credentials(settings)
-    )
     envoy = EnvoyAdmin(args.envoy_admin or f"http://{policy.admin.address}:{policy.admin.port}")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-
-    # Shed counts and the bypass gauge, on SITS_METRICS_BIND:SITS_METRICS_PORT like every service.
-    metrics_port = serve_metrics(settings.metrics_port, settings.metrics_bind)
-
-    def ready(server: ExtProcServer) -> None:
-        bypass = f", bypass switched at {envoy.admin_url}" if admission.bypass_max_request_tokens else ""
-        print(
-            f"admission processor on {server.host}:{server.port}, decision at {args.decision_addr}{bypass}, "
-            f"/metrics on {settings.metrics_bind}:{metrics_port}"
+    # Shed counts and the bypass gauge go to the app's /metrics, on SITS_METRICS_BIND:SITS_METRICS_PORT.
+    async with ServiceApp("admission", settings) as app:
+        # SITS_GRPC_TLS*: the decision service may serve TLS, and may want this process's certificate.
+        admitter = DecisionAdmitter(
+            decision_addr, target, admission.decision_timeout_s, credentials=channel_credentials(settings)
         )
+        app.on_close(admitter.close)
 
-    await serve_admission(policy, admitter, FilePressure(Path(policy.overload.pressure_file)), envoy, stop, ready)
-    await admitter.close()
+        def ready(server: ExtProcServer) -> None:
+            bypass = f", bypass switched at {envoy.admin_url}" if admission.bypass_max_request_tokens else ""
+            print(
+                f"admission processor on {server.host}:{server.port}, decision at {decision_addr}{bypass}, "
+                f"/metrics on {settings.metrics_bind}:{app.metrics_port}",
+                flush=True,
+            )
+
+        pressure = FilePressure(Path(policy.overload.pressure_file))
+        await app.run(serve_admission(policy, admitter, pressure, envoy, app.stop, ready))
     return 0
 
 

@@ -32,6 +32,27 @@ log = logging.getLogger("sits.oom_hook")
 ENV_PREFIX = "SITS_OOM_HOOK_"
 QUEUE_CAPACITY = 64
 
+# (variable, default, meaning) of every SITS_OOM_HOOK_* variable, for `sits settings`: the hook runs inside
+# the engine's processes, which read them from the environment (`HookConfig.from_env`, `plugin.register`).
+ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
+    (f"{ENV_PREFIX}DISABLED", "", "1, true or yes: vLLM loads the plugin but the OOM hook is not installed."),
+    (
+        f"{ENV_PREFIX}CAPTURE_ADDR",
+        "",
+        "Capture's gRPC address (host:port) the hook reports OOMs to; empty: spool only.",
+    ),
+    (f"{ENV_PREFIX}SPOOL_DIR", "/tmp/sits-oom-spool", "Folder OOM reports go to when capture cannot be reached."),
+    (f"{ENV_PREFIX}TIMEOUT_S", "0.5", "Deadline of one ReportOom call."),
+    (f"{ENV_PREFIX}ENGINE", "", "Target.engine of the OOM events (the engine's name, as capture names it)."),
+    (f"{ENV_PREFIX}HOST", "", "Target.host of the OOM events; empty: this host's name."),
+    (f"{ENV_PREFIX}SNAPSHOT_DIR", "", "Folder for a bounded memory-history snapshot at each OOM; empty: none."),
+    (f"{ENV_PREFIX}SNAPSHOT_MAX_ENTRIES", "20000", "Allocations the memory-history snapshot keeps."),
+    (f"{ENV_PREFIX}TOKEN", "", "Bearer token for capture's ReportOom (a mutating call)."),
+    (f"{ENV_PREFIX}TLS_CA_FILE", "", "CA (PEM) of a capture that serves TLS."),
+    (f"{ENV_PREFIX}TLS_CERT_FILE", "", "Client certificate (PEM) for a capture that wants one."),
+    (f"{ENV_PREFIX}TLS_KEY_FILE", "", "Private key (PEM) of SITS_OOM_HOOK_TLS_CERT_FILE."),
+)
+
 # (device) -> the allocator figures the event carries; injectable for tests.
 StatsReader = Callable[[int], dict[str, int]]
 # (event dict) -> None; raises when the event was not delivered.

@@ -3,7 +3,7 @@
 The applier runs only after the executor has drained the instances a plan touches (Envoy stops
 routing to them; in-flight streams finish or move). Safety rules:
 - dry-run is the default: without `apply=True` it makes no NVML call at all;
-- `apply=True` comes from the executor setting SITS_MIG_APPLY (see `apply_enabled_from_env`);
+- `apply=True` comes from the executor setting SITS_EXECUTOR_MIG_APPLY (see `apply_enabled_from_env`);
 - it refuses on a GPU whose MIG mode is off, and never changes MIG mode (there is no call for it here);
 - it refuses when a drain step's tenant was not drained, or when the GPU's layout is not the one the
   plan was made from (a stale plan would destroy the wrong instances).
@@ -20,7 +20,8 @@ from typing import Any, Literal, Protocol
 from services.executor.mig.planner import MigInstance, MigLayout, MigPlan, PlanStep
 from services.executor.mig.profiles import GpuModel, MigProfile, model_for_device_name
 
-APPLY_SETTING = "SITS_MIG_APPLY"
+APPLY_SETTING = "SITS_EXECUTOR_MIG_APPLY"
+FORMER_APPLY_SETTING = "SITS_MIG_APPLY"  # still read, as ExecutorSettings reads it
 _TRUE = frozenset({"1", "true", "yes", "on"})
 # Compute slices -> NVML_COMPUTE_INSTANCE_PROFILE_* index (nvml.h); each GPU instance gets one compute
 # instance spanning all its slices, as `nvidia-smi mig -cgi ... -C` does.
@@ -30,8 +31,9 @@ Outcome = Literal["planned", "done", "failed", "not_run"]
 
 
 def apply_enabled_from_env(env: Mapping[str, str]) -> bool:
-    """Whether SITS_MIG_APPLY asks for real changes ('1', 'true', 'yes', 'on')."""
-    return env.get(APPLY_SETTING, "").strip().lower() in _TRUE
+    """Whether SITS_EXECUTOR_MIG_APPLY (or its former name) asks for real changes ('1', 'true', 'yes', 'on')."""
+    value = env.get(APPLY_SETTING, env.get(FORMER_APPLY_SETTING, ""))
+    return value.strip().lower() in _TRUE
 
 
 class MigApplyRefused(Exception):

@@ -78,6 +78,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
+from services.executor.vllm_plugin.environment import ENGINE_CONTROL_ADDR, ENGINE_EMPTY_CACHE_AT_START
 from services.executor.vllm_plugin.tier_stats import TIERS, TierStats
 from sits.runtime import engine_control as protocol
 from sits.runtime.engine_control import LimitError
@@ -125,7 +126,7 @@ class SitsScheduler(Scheduler):
         self._p0_preemptions = 0
         self._tier_stats = TierStats()
         self._allocator = AllocatorReading()
-        if os.environ.get("SITS_ENGINE_EMPTY_CACHE_AT_START", "") in ("1", "true"):
+        if os.environ.get(ENGINE_EMPTY_CACHE_AT_START, "") in ("1", "true"):
             # The scheduler is built after vLLM's warm-up; what the warm-up left cached would let a
             # squeeze scenario's big step run from the cache instead of the device.
             self._allocator.release_cache()
@@ -134,7 +135,7 @@ class SitsScheduler(Scheduler):
         # the queue even after a preemption, so the plugin does not preempt for it there.
         self._by_priority = str(getattr(self.scheduler_config, "policy", "fcfs")) == "priority"
         self._control_server: Any = None
-        address = os.environ.get("SITS_ENGINE_CONTROL_ADDR")
+        address = os.environ.get(ENGINE_CONTROL_ADDR)
         if address:
             from services.executor.vllm_plugin.control_server import start_control_server
 
