@@ -15,9 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import Field
 
 from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent
+from sits.runtime.procs import free_port
 from sits.runtime.service import ServiceApp
 from sits.runtime.settings import Settings
-from sits.stack.procs import free_port
 from tests.runtime.test_bus import sample
 from tests.waiting import eventually
 
