@@ -37,8 +37,8 @@ from sits.runtime.clock import SystemClock
 from sits.runtime.events import Topics
 from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.settings import Settings
-from sits.stack.tansu import TansuBroker
 from sits.v1 import events_pb2
+from sits_app.stack.tansu import TansuBroker
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -47,9 +47,9 @@ from sits.runtime.events import DLQ_REASON_HEADER, Topics, cloudevent_headers, d
 from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.settings import Settings
 from sits.runtime.signing import KeyFile, Signer, SigningKey, Verifier, new_key, write_key_file
-from sits.stack.embedded import EmbeddedStack, StackConfig
-from sits.stack.vllm_engine import VllmServer, make_random_llama
 from sits.v1 import common_pb2, events_pb2
+from sits_app.stack.embedded import EmbeddedStack, StackConfig
+from sits_app.stack.vllm_engine import VllmServer, make_random_llama
 
 
 def decision_like_command(

@@ -38,7 +38,7 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from bench.common import median, quantile, write_result
 from sits.runtime.procs import free_port
-from sits.stack.vllm_engine import VllmServer, make_random_llama
+from sits_app.stack.vllm_engine import VllmServer, make_random_llama
 from sits_mesh.envoy_config import ADMISSION_BYPASS_KEY
 from sits_mesh.envoy_process import EnvoyProcess
 from sits_mesh.policy import MeshPolicy, load_policy

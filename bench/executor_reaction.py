@@ -31,9 +31,9 @@ from sits.runtime.bus import EventConsumer, EventProducer, ensure_topics
 from sits.runtime.events import Topics
 from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.redis import connect
-from sits.stack.tansu import TansuBroker
-from sits.stack.vllm_engine import VllmServer, make_random_llama
 from sits.v1 import events_pb2
+from sits_app.stack.tansu import TansuBroker
+from sits_app.stack.vllm_engine import VllmServer, make_random_llama
 
 ENGINE = "vllm-0"
 

@@ -1,4 +1,4 @@
-"""fleet_scale: the simulated fleet (sits/fleet) through capture's publisher → Kafka → decision replicas.
+"""fleet_scale: the simulated fleet (sits_app/fleet) through capture's publisher → Kafka → decision replicas.
 
     .venv/bin/python -m bench.fleet_scale [--targets 500 2000 5000] [--replicas 1 2 4] [--measure-s 20]
 
@@ -44,11 +44,11 @@ from bench.common import quantile, write_result
 from services.capture.publisher import CapturePublisher, TopicEnsuringProducer
 from services.capture.spool import Spool
 from services.decision.settings import DEFAULT_POLICY_FILE
-from sits.fleet.sim import Fleet, TraceFrames, load_frames, trace_paths
 from sits.runtime.events import Topics, new_meta, seconds
 from sits.runtime.kafka_security import kafka_options_for
-from sits.stack.embedded import EmbeddedStack, StackConfig
 from sits.v1 import common_pb2, events_pb2
+from sits_app.fleet.sim import Fleet, TraceFrames, load_frames, trace_paths
+from sits_app.stack.embedded import EmbeddedStack, StackConfig
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 COMMAND = ".venv/bin/python -m bench.fleet_scale"

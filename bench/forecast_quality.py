@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.capture.traces import TraceTarget, read_trace, record_to_oom, record_to_sample
 from services.decision.convert import oom_from_pb, sample_from_pb
 from services.decision.domain.admission import EngineProfile
 from services.decision.domain.engine import DecisionEngine
 from services.decision.domain.kv_model import known_model
 from services.decision.domain.policy import parse_policy
 from sits.runtime.clock import ManualClock
+from sits.runtime.traces import TraceTarget, read_trace, record_to_oom, record_to_sample
 
 ROOT = Path(__file__).resolve().parent.parent
 

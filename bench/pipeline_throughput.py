@@ -1,7 +1,7 @@
 """pipeline_throughput: metric samples per second through capture → Kafka → decision, and the decision lag.
 
 Real parts: Tansu (Kafka protocol), the decision service as a process started the way `sits up`
-starts it (`python -m sits.cli decision`, default policy), and capture's own path in this process
+starts it (`python -m sits_app.cli decision`, default policy), and capture's own path in this process
 (CaptureService.ingest_sample → CapturePublisher → TopicEnsuringProducer; calm samples carry no span).
 
 One round: `--samples` samples for `--targets` targets (GPU, processes and engine fields, memory
@@ -73,8 +73,8 @@ from sits.runtime.events import Topics, metric_batch, target_key
 from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.procs import ManagedProcess, free_port
 from sits.runtime.settings import Settings
-from sits.stack.embedded import EmbeddedStack, StackConfig, wait_serving
 from sits.v1 import events_pb2
+from sits_app.stack.embedded import EmbeddedStack, StackConfig, wait_serving
 
 GIB = 1 << 30
 TOTAL_BYTES = 80 * GIB
@@ -384,7 +384,7 @@ async def decision_drain(
         "SITS_METRICS_PORT": str(free_port()),
     }
     process = ManagedProcess(
-        "decision-drain", [sys.executable, "-m", "sits.cli", "decision"], workdir / f"{group}.log", env
+        "decision-drain", [sys.executable, "-m", "sits_app.cli", "decision"], workdir / f"{group}.log", env
     )
     watch = CommitWatch(stack.broker.bootstrap, f"{stack.config.topic_prefix}{group}", topic, len(partitions))
     stop = asyncio.Event()
@@ -429,7 +429,7 @@ async def run_config(
                     "-o",
                     str(profile_dir / "decision.prof"),
                     "-m",
-                    "sits.cli",
+                    "sits_app.cli",
                     "decision",
                 ],
                 workdir / "decision.log",

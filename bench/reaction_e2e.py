@@ -1,7 +1,7 @@
 """reaction_e2e: a pressure sample published by capture → the healing action live in a real vLLM engine.
 
 The whole loop, with the services as real processes started the way `sits up` starts them
-(`python -m sits.cli decision|executor`, SITS_* environment, EmbeddedStack):
+(`python -m sits_app.cli decision|executor`, SITS_* environment, EmbeddedStack):
 
     capture (this process: CaptureService.ingest_sample → CapturePublisher → TopicEnsuringProducer)
       → Kafka sits.metrics.v1 (Tansu)
@@ -48,9 +48,9 @@ from sits.runtime.events import Topics
 from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.redis import connect
 from sits.runtime.settings import Settings
-from sits.stack.embedded import EmbeddedStack, StackConfig
-from sits.stack.vllm_engine import VllmServer, make_random_llama
 from sits.v1 import events_pb2
+from sits_app.stack.embedded import EmbeddedStack, StackConfig
+from sits_app.stack.vllm_engine import VllmServer, make_random_llama
 
 ENGINE = "bench-e2e-vllm"
 HOST = "bench-e2e"

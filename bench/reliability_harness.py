@@ -27,7 +27,6 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from google.protobuf.message import Message
 
-from services.capture.traces import write_trace
 from services.executor.adapters.redis_state import lease_overlaps as overlaps_in
 from sits.runtime.bus import EventProducer
 from sits.runtime.events import EnvelopeError, Topics, decode_event, decode_events, header_value, new_meta
@@ -35,8 +34,9 @@ from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.procs import ManagedProcess
 from sits.runtime.redis import connect
 from sits.runtime.settings import Settings
-from sits.stack.embedded import EmbeddedStack, StackConfig
+from sits.runtime.traces import write_trace
 from sits.v1 import common_pb2, events_pb2
+from sits_app.stack.embedded import EmbeddedStack, StackConfig
 
 GIB = 1 << 30
 REPO = Path(__file__).resolve().parents[1]

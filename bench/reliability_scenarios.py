@@ -25,8 +25,8 @@ from sits.runtime.bus import EventProducer, ensure_topics
 from sits.runtime.events import Topics
 from sits.runtime.grpcserver import bearer_metadata
 from sits.runtime.procs import ManagedProcess, free_port, port_open
-from sits.stack.embedded import SERVICES, EmbeddedStack
 from sits.v1 import events_pb2, executor_pb2_grpc
+from sits_app.stack.embedded import SERVICES, EmbeddedStack
 
 Figures = dict[str, Any]
 

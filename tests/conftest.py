@@ -16,7 +16,7 @@ import pytest
 from sits.runtime.events import Topics
 from sits.runtime.redis import check_redis, connect
 from sits.runtime.settings import Settings
-from sits.stack.tansu import TansuBroker
+from sits_app.stack.tansu import TansuBroker
 
 pytest_plugins = sorted(
     f"tests.fixtures.{p.stem}" for p in (Path(__file__).parent / "fixtures").glob("*.py") if p.stem != "__init__"

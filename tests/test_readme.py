@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sits.settings_cli import all_settings
+from sits_app.settings_cli import all_settings
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

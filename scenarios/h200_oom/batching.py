@@ -3,7 +3,7 @@
 Pure logic (no torch, no gRPC): the GPU side (`engine.py`) asks `plan_step()` what
 to preempt and what to admit before each step, runs the model, and reports
 tokens back. `EngineControl` is the object the executor's engine-control
-endpoint (`services/executor/vllm_plugin/control_server.py`) drives, with the
+endpoint (`sits_engine/vllm_plugin/control_server.py`) drives, with the
 same methods and the same semantics as the vLLM scheduler plugin:
 - `max_num_running_reqs` caps the batch; lowering it below the running count
   preempts the newest requests first (their KV cache is freed; they go back to

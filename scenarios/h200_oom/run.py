@@ -44,7 +44,7 @@ from typing import Any
 
 from scenarios.h200_oom.files import wait_for_file, write_json
 from sits.runtime.procs import ManagedProcess, free_port, port_open
-from sits.stack.tansu import TansuBroker
+from sits_app.stack.tansu import TansuBroker
 
 log = logging.getLogger("h200_oom.run")
 GIB = 1 << 30

@@ -5,12 +5,12 @@ One process, as a vLLM engine would be:
   down to the batch cap, admits queued prompts, prefills them, decodes one
   token for every running request and completes the finished ones;
 - the SITS engine-control endpoint, served by the executor's own
-  `services/executor/vllm_plugin/control_server.py` around this engine's
+  `sits_engine/vllm_plugin/control_server.py` around this engine's
   `EngineControl` (the "max running sequences" cap is this engine's batch limit),
   so the unmodified executor drives it exactly as it drives vLLM;
 - vLLM's `GetLoads` (smg `VllmEngine` service), which capture's vLLM source polls
   for running/waiting counts and KV usage;
-- capture's in-process OOM hook (`services/capture/oom_hook`).
+- capture's in-process OOM hook (`sits_engine/oom_hook`).
 
 A CUDA OOM inside a step kills the engine, as it kills vLLM (EngineDeadError):
 every request in the batch at that moment is lost, the rest of the queue is
@@ -51,7 +51,7 @@ SHAPES = {"llama8b": LLAMA_8B, "tiny": TINY}
 
 def start_engine_control(control: EngineControl, address: str) -> Any:
     """The executor's engine-control server (the one inside vLLM) around this engine."""
-    from services.executor.vllm_plugin.control_server import start_control_server
+    from sits_engine.vllm_plugin.control_server import start_control_server
 
     return start_control_server(control, address)  # type: ignore[arg-type]
 
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("prompt + max new tokens exceed max_model_len")
     hook = None
     if args.device == "cuda":
-        from services.capture.oom_hook.hook import HookConfig, install
+        from sits_engine.oom_hook.hook import HookConfig, install
 
         hook = install(
             HookConfig(

@@ -26,9 +26,9 @@ from pathlib import Path
 from sits.runtime.procs import stop_group
 
 REPO = Path(__file__).resolve().parents[2]
-SITS_SCHEDULER = "services.executor.vllm_plugin.scheduler.SitsScheduler"
-SITS_LAUNCHER = "services.executor.vllm_plugin.grpc_launcher"
-HOOK_ENTRY_POINT = "sits_oom_hook = services.capture.oom_hook.plugin:register"
+SITS_SCHEDULER = "sits_engine.vllm_plugin.scheduler.SitsScheduler"
+SITS_LAUNCHER = "sits_engine.vllm_plugin.grpc_launcher"
+HOOK_ENTRY_POINT = "sits_oom_hook = sits_engine.oom_hook.plugin:register"
 
 
 def vllm_server_module() -> str:

@@ -111,7 +111,7 @@ def measure(variant: str, args: argparse.Namespace, work: Path, logs: Path, brok
     model = shape(args.shape)
     cpu = args.device == "cpu"
     if cpu:
-        from sits.stack.vllm_engine import make_random_llama
+        from sits_app.stack.vllm_engine import make_random_llama
 
         model_dir = make_random_llama()
     else:

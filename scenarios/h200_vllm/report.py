@@ -224,7 +224,7 @@ def trace_records(run: dict[str, Any]) -> list[dict[str, Any]]:
     """The run's metric samples and OOM events (as capture published them) as SITS trace v1 records."""
     from google.protobuf.json_format import ParseDict
 
-    from services.capture.traces import oom_to_record, sample_to_record
+    from sits.runtime.traces import oom_to_record, sample_to_record
     from sits.v1 import events_pb2
 
     t0 = float(run.get("t0") or 0.0)
@@ -333,7 +333,7 @@ def _engine_pids(run: dict[str, Any]) -> list[int]:
 
 def write_trace_of(run: dict[str, Any], path: str) -> int:
     """The run as a SITS trace v1 file; its header says what ran and how it ended."""
-    from services.capture.traces import TraceHeader, TraceTarget, write_trace
+    from sits.runtime.traces import TraceHeader, TraceTarget, write_trace
 
     records = trace_records(run)
     if not records:

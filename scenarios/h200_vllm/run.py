@@ -207,7 +207,7 @@ class Run:
 
     def _model_dir(self) -> Path:
         if self.args.device == "cpu":
-            from sits.stack.vllm_engine import make_random_llama
+            from sits_app.stack.vllm_engine import make_random_llama
 
             return make_random_llama()
         assert self.model is not None

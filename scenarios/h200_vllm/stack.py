@@ -1,5 +1,5 @@
 """The SITS side of the scenario: one Tansu broker and one Redis for the whole run, and per mode
-the services as their own processes (`python -m sits.cli <name>`, settings from `SITS_*`),
+the services as their own processes (`python -m sits_app.cli <name>`, settings from `SITS_*`),
 as `sits up` starts them; then every record of the mode's topics, read back for the report.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sits.runtime.procs import ManagedProcess, free_port, port_open
-from sits.stack.tansu import TansuBroker
+from sits_app.stack.tansu import TansuBroker
 
 REPO = Path(__file__).resolve().parents[2]
 TOPIC_NAMES = {
@@ -76,7 +76,7 @@ class Services:
         for name in self.names:
             proc = ManagedProcess(
                 name,
-                [sys.executable, "-m", "sits.cli", name],
+                [sys.executable, "-m", "sits_app.cli", name],
                 self.log_dir / f"{self.mode}-{name}.log",
                 env=self.env,
                 cwd=REPO,

@@ -23,8 +23,8 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-from services.capture.oom_hook.hook import HookConfig, OomHook
-from services.capture.oom_hook.spool import spooled_events
+from sits_engine.oom_hook.hook import HookConfig, OomHook
+from sits_engine.oom_hook.spool import spooled_events
 
 GIB = 1 << 30
 

@@ -32,10 +32,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.capture.oom_hook.hook import HookConfig, OomHook
-from services.capture.oom_hook.spool import spooled_events
 from services.capture.sources.nvml_reader import NvmlReader
-from services.capture.traces import TraceHeader, TraceTarget, write_trace
+from sits.runtime.traces import TraceHeader, TraceTarget, write_trace
+from sits_engine.oom_hook.hook import HookConfig, OomHook
+from sits_engine.oom_hook.spool import spooled_events
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -16,12 +16,12 @@ from typing import Any, Protocol
 
 from services.capture import metrics
 from services.capture.domain import LatestState, Stamper, Verdict, validate_oom
-from services.capture.oom_hook.hook import event_to_proto
-from services.capture.oom_hook.spool import spooled_events
 from services.capture.sources.base import Backoff, Event, Health, Sleep, Source, default_sleep
 from sits.runtime.clock import Clock
 from sits.runtime.fanout import Fanout
 from sits.v1 import capture_pb2, common_pb2, events_pb2
+from sits_engine.oom_hook.hook import event_to_proto
+from sits_engine.oom_hook.spool import spooled_events
 
 log = logging.getLogger(__name__)
 

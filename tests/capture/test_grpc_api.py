@@ -9,11 +9,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.capture.oom_hook.hook import HookConfig, OomHook
 from services.capture.sources.replay import ReplaySource
-from services.capture.traces import TraceTarget, read_trace
 from sits.runtime.clock import ManualClock
+from sits.runtime.traces import TraceTarget, read_trace
 from sits.v1 import capture_pb2, common_pb2, events_pb2
+from sits_engine.oom_hook.hook import HookConfig, OomHook
 from tests.capture.conftest import RunningCapture
 
 TRACES = Path(__file__).resolve().parents[2] / "traces" / "h200"

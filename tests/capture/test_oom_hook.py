@@ -8,15 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.capture.oom_hook.hook import HookConfig, OomHook
-from services.capture.oom_hook.spool import spooled_events
+from sits_engine.oom_hook.hook import HookConfig, OomHook
+from sits_engine.oom_hook.spool import spooled_events
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_importing_the_plugin_imports_nothing_heavy() -> None:
     code = (
-        "import sys, json; import services.capture.oom_hook.plugin, services.capture.oom_hook;"
+        "import sys, json; import sits_engine.oom_hook.plugin, sits_engine.oom_hook;"
         "print(json.dumps(sorted(m for m in ('torch','grpc','google.protobuf','sits.v1') if m in sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -27,9 +27,9 @@ def test_plugin_is_registered_for_vllm_and_register_never_raises() -> None:
     from importlib.metadata import entry_points
 
     names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert names.get("sits_oom_hook") == "services.capture.oom_hook.plugin:register"
+    assert names.get("sits_oom_hook") == "sits_engine.oom_hook.plugin:register"
     # On this CPU-only torch the hook reports itself unavailable and the host goes on.
-    code = "from services.capture.oom_hook import plugin, hook; plugin.register();print(hook._installed.status)"
+    code = "from sits_engine.oom_hook import plugin, hook; plugin.register();print(hook._installed.status)"
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,

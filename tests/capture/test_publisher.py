@@ -17,8 +17,8 @@ from sits.runtime.events import Topics, decode_events
 from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.settings import Settings
 from sits.runtime.tracing import setup_tracing
-from sits.stack.tansu import TansuBroker
 from sits.v1 import events_pb2
+from sits_app.stack.tansu import TansuBroker
 
 
 def sample(i: int, gpu: str = "GPU-a") -> events_pb2.MetricSample:

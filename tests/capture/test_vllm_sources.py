@@ -20,8 +20,8 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from services.capture.sources.vllm_grpc import VllmGrpcSource
 from services.capture.sources.vllm_metrics import VllmMetricsSource, parse_vllm_metrics
-from sits.stack.vllm_engine import VllmServer, VllmServerError
 from sits.v1 import common_pb2, events_pb2
+from sits_app.stack.vllm_engine import VllmServer, VllmServerError
 
 pytestmark = pytest.mark.vllm
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sits.demo.load import http_status
-from sits.demo.report import REFUSED
+from sits_app.demo.load import http_status
+from sits_app.demo.report import REFUSED
 
 
 def test_shedding_overload_and_admission_refusals_count_as_refused_and_the_rest_as_failures() -> None:

@@ -6,12 +6,12 @@ import math
 import time
 from pathlib import Path
 
-from sits.demo.live import render
-from sits.demo.load import RequestOutcome, ramp
-from sits.demo.report import WITHOUT_SITS, PhaseWindow, p0_queue_wait_ms, summarize, write_report
-from sits.demo.timeline import Timeline
 from sits.runtime.events import new_meta
 from sits.v1 import common_pb2, events_pb2
+from sits_app.demo.live import render
+from sits_app.demo.load import RequestOutcome, ramp
+from sits_app.demo.report import WITHOUT_SITS, PhaseWindow, p0_queue_wait_ms, summarize, write_report
+from sits_app.demo.timeline import Timeline
 
 TARGET = common_pb2.Target(host="h", engine="vllm-0")
 

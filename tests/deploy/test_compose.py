@@ -22,8 +22,8 @@ import yaml
 from pydantic_settings import BaseSettings
 
 from sits.runtime.settings import ENV_PREFIX
-from sits.settings_cli import all_settings
-from sits.stack.vllm_engine import SITS_GRPC_LAUNCHER, SITS_SCHEDULER_CLS
+from sits_app.settings_cli import all_settings
+from sits_app.stack.vllm_engine import SITS_GRPC_LAUNCHER, SITS_SCHEDULER_CLS
 from sits_mesh.envoy_process import validate_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,10 +31,10 @@ COMPOSE = REPO / "docker-compose.yml"
 SITS_SERVICES = ("capture", "decision", "executor", "validator")
 INFRA = ("kafka", "redis", "jaeger", "prometheus", "grafana", "envoy", "vllm")
 PLUGIN_SOURCES = (
-    REPO / "services/capture/oom_hook/hook.py",
-    REPO / "services/capture/oom_hook/plugin.py",
-    REPO / "services/executor/vllm_plugin/scheduler.py",
-    REPO / "sits/stack/vllm_engine.py",
+    REPO / "sits_engine/oom_hook/hook.py",
+    REPO / "sits_engine/oom_hook/plugin.py",
+    REPO / "sits_engine/vllm_plugin/scheduler.py",
+    REPO / "sits_app/stack/vllm_engine.py",
 )
 _DEFAULTED = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*:-([^}]*)\}")
 
@@ -326,7 +326,7 @@ def test_the_tls_set_up_reads_only_files_dev_certs_writes_and_they_fit(
     from cryptography import x509
     from cryptography.hazmat.primitives.serialization import pkcs12
 
-    from sits.stack.devcerts import write_compose_certs
+    from sits_app.stack.devcerts import write_compose_certs
 
     written = {p.name: p for p in write_compose_certs(tmp_path)}
     references = tls_references(services)

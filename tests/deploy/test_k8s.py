@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from sits.runtime.settings import ENV_PREFIX
-from sits.settings_cli import all_settings
+from sits_app.settings_cli import all_settings
 from tests.deploy.test_compose import SITS_SERVICES, unknown_sits_variables, variables_of
 
 REPO = Path(__file__).resolve().parents[2]

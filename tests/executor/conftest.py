@@ -16,8 +16,8 @@ from services.executor.domain import BreakerPolicy
 from services.executor.service import EngineTarget, Executor
 from sits.runtime.clock import ManualClock, SystemClock
 from sits.runtime.redis import connect
-from sits.stack.vllm_engine import VllmServer
 from sits.v1 import events_pb2
+from sits_app.stack.vllm_engine import VllmServer
 
 ENGINE = "vllm-0"
 

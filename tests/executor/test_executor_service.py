@@ -17,8 +17,8 @@ from services.executor.grpc_api import MUTATING_METHODS, SERVICE_NAME, ExecutorS
 from services.executor.service import InvalidCommand
 from sits.runtime.grpcserver import GrpcServer, ServiceBinding, bearer_metadata
 from sits.runtime.redis import connect
-from sits.stack.vllm_engine import VllmServer
 from sits.v1 import common_pb2, events_pb2, executor_pb2, executor_pb2_grpc
+from sits_app.stack.vllm_engine import VllmServer
 from sits_mesh.envoy_config import breaker_key
 from sits_mesh.envoy_process import EnvoyProcess
 from sits_mesh.policy import Endpoint, MeshPolicy, Overload

@@ -13,8 +13,8 @@ import pytest
 from services.executor.adapters.mig import MigGpu, NvmlMigHook
 from services.executor.mig.profiles import H200_141GB
 from services.executor.service import InvalidCommand
-from sits.stack.vllm_engine import VllmServer
 from sits.v1 import events_pb2
+from sits_app.stack.vllm_engine import VllmServer
 from tests.executor.conftest import Published, healing_command, make_executor
 from tests.mig.nvml_standin import MigNvmlStandIn
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from services.executor.vllm_plugin.openai_launcher import SCHEDULER_CLS, retag_headers, server_argv
 from sits.runtime.engine_control import priority_tier_of_request_id
-from sits.stack.tokenizer import make_tokenizer, training_text
+from sits_app.stack.tokenizer import make_tokenizer, training_text
+from sits_engine.vllm_plugin.openai_launcher import SCHEDULER_CLS, retag_headers, server_argv
 
 
 def request_id(headers: list[tuple[bytes, bytes]] | None) -> str:

@@ -12,7 +12,7 @@ import pytest
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from services.executor.adapters.engine import EngineControlClient
-from sits.stack.vllm_engine import VllmServer
+from sits_app.stack.vllm_engine import VllmServer
 from sits_mesh.envoy_process import EnvoyProcess
 from sits_mesh.policy import Endpoint, MeshPolicy, Overload
 from tests.executor.engine_streams import run_stream, start_streams

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from bench.reliability_harness import read_topics
-from sits.fleet.sim import Fleet, load_frames, trace_paths
 from sits.runtime.bus import partition_of
 from sits.runtime.events import Topics, target_key
 from sits.runtime.settings import Settings
-from sits.stack.tansu import TansuBroker
 from sits.v1 import events_pb2
+from sits_app.fleet.sim import Fleet, load_frames, trace_paths
+from sits_app.stack.tansu import TansuBroker
 
 
 class Collect:
@@ -69,7 +69,7 @@ def test_the_fleet_mixes_every_trace_shifted_per_target(frames: list) -> None:
 def test_sits_fleet_publishes_through_capture_into_the_broker(broker: TansuBroker, topic_prefix: str) -> None:
     env = {**os.environ, "SITS_KAFKA_BOOTSTRAP": broker.bootstrap, "SITS_TOPIC_PREFIX": topic_prefix}
     done = subprocess.run(
-        [sys.executable, "-m", "sits.cli", "fleet", "--targets", "40", "--hz", "5", "--for", "4"],
+        [sys.executable, "-m", "sits_app.cli", "fleet", "--targets", "40", "--hz", "5", "--for", "4"],
         capture_output=True,
         text=True,
         env=env,

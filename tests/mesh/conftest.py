@@ -1,7 +1,7 @@
 """Fixtures for the mesh tests: one real vLLM engine per session, a real Decision peer,
 and per-test Envoy + admission processor stacks in front of the engine.
 
-The engine is started here (`mesh_engine`) with `sits.stack.vllm_engine.VllmServer`;
+The engine is started here (`mesh_engine`) with `sits_app.stack.vllm_engine.VllmServer`;
 swap it for the shared engine fixture once tests/fixtures/ has one that allows
 `--max-logprobs 100` (the flow-control test needs big responses).
 """
@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 import pytest
 
-from sits.stack.vllm_engine import VllmOpenAIServer, VllmServer, make_random_llama
 from sits.v1 import common_pb2, decision_pb2_grpc
+from sits_app.stack.vllm_engine import VllmOpenAIServer, VllmServer, make_random_llama
 from sits_mesh.envoy_process import EnvoyProcess
 from sits_mesh.ext_proc import AdmissionProcessor, DecisionAdmitter, ExtProcServer, FilePressure
 from sits_mesh.policy import MeshPolicy

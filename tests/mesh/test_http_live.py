@@ -19,9 +19,9 @@ from tokenizers import Tokenizer
 
 from services.executor.adapters.engine import EngineControlClient
 from services.validator.probes import LiveProbes
-from sits.demo.load import LoadDriver, LoadShape
-from sits.stack.tokenizer import training_text
-from sits.stack.vllm_engine import SERVED_MODEL_NAME, VllmOpenAIServer, make_random_llama
+from sits_app.demo.load import LoadDriver, LoadShape
+from sits_app.stack.tokenizer import training_text
+from sits_app.stack.vllm_engine import SERVED_MODEL_NAME, VllmOpenAIServer, make_random_llama
 from sits_mesh.envoy_config import breaker_key
 from sits_mesh.ext_proc import BypassController
 from tests.fixtures.vllm import engine_state

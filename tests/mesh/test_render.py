@@ -209,7 +209,7 @@ def test_cli_serves_the_processor_with_its_metrics_and_stops_on_sigterm(tmp_path
     data["admission"].update({"port": processor_port, "bypass_check_interval_s": 0.05})
     data["overload"]["pressure_file"] = str(tmp_path / "gpu_pressure")
     policy_path.write_text(yaml.safe_dump(data))
-    env = {**os.environ, "SITS_METRICS_PORT": str(metrics_port), "PYTHONPATH": str(REPO / "mesh" / "envoy-filters")}
+    env = {**os.environ, "SITS_METRICS_PORT": str(metrics_port), "PYTHONPATH": str(REPO)}
     argv = [sys.executable, "-m", "sits_mesh.cli", "ext-proc", "--policy", str(policy_path)]
     # Neither the decision service nor Envoy is there: the processor serves anyway (fail open)
     # and its bypass probe keeps every request inspected.

@@ -17,9 +17,9 @@ import pytest
 
 from sits.runtime.events import Topics
 from sits.runtime.grpcserver import bearer_metadata
-from sits.stack.embedded import EmbeddedStack, StackConfig
-from sits.stack.vllm_engine import VllmServer
 from sits.v1 import capture_pb2_grpc, common_pb2, events_pb2, validator_pb2, validator_pb2_grpc
+from sits_app.stack.embedded import EmbeddedStack, StackConfig
+from sits_app.stack.vllm_engine import VllmServer
 from tests.fixtures.otlp import OtlpReceiver, ReceivedSpan
 
 SERVICE_NAMES = {"sits-capture", "sits-decision", "sits-executor", "sits-validator"}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sits.stack.embedded import SERVICES, EmbeddedStack, StackConfig
+from sits_app.stack.embedded import SERVICES, EmbeddedStack, StackConfig
 
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS = REPO / "deploy" / "prometheus"

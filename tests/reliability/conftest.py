@@ -10,7 +10,7 @@ import pytest
 
 from bench import reliability_harness as h
 from sits.runtime.events import Topics
-from sits.stack.embedded import EmbeddedStack
+from sits_app.stack.embedded import EmbeddedStack
 
 MAX_MESSAGE_BYTES = 64 * 1024
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from sits.stack.embedded import EmbeddedStack
 from sits.v1 import capture_pb2_grpc, decision_pb2_grpc, executor_pb2_grpc, validator_pb2_grpc
+from sits_app.stack.embedded import EmbeddedStack
 
 
 @dataclass(frozen=True)

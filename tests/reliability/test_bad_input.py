@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 
 from bench import reliability_harness as h
 from services.capture.spool import RecordKind, Spool, SpoolRecord
-from services.capture.traces import TraceFormatError, read_trace
 from services.decision.domain.policy import PolicyError, parse_policy
 from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics
 from sits.runtime.events import DLQ_REASON_HEADER, EVENT_TYPES, EnvelopeError, Topics, decode_event
 from sits.runtime.settings import Settings
+from sits.runtime.traces import TraceFormatError, read_trace
 from sits.v1 import (
     capture_pb2,
     common_pb2,

@@ -12,7 +12,7 @@ import pytest
 from services.capture.settings import CaptureSettings
 from services.executor.settings import ExecutorSettings
 from sits.runtime.settings import SettingsError, load_settings
-from sits.settings_cli import all_settings
+from sits_app.settings_cli import all_settings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,11 +61,11 @@ def test_settings_are_listed_under_their_new_names_with_the_old_ones_mentioned()
 def test_every_variable_read_inside_vllm_is_listed() -> None:
     """The OOM hook and the scheduler plugin read os.environ in vLLM's processes; their names are listed too."""
     listed = {variable for variable, *_ in all_settings()}
-    hook = (REPO / "services/capture/oom_hook/hook.py").read_text()
+    hook = (REPO / "sits_engine/oom_hook/hook.py").read_text()
     read = {f"SITS_OOM_HOOK_{name}" for name in re.findall(r'get\("([A-Z_]+)"', hook)}
-    plugin = (REPO / "services/capture/oom_hook/plugin.py").read_text()
+    plugin = (REPO / "sits_engine/oom_hook/plugin.py").read_text()
     read |= set(re.findall(r'"(SITS_[A-Z_]+)"', plugin))
-    environment = (REPO / "services/executor/vllm_plugin/environment.py").read_text()
+    environment = (REPO / "sits_engine/vllm_plugin/environment.py").read_text()
     read |= set(re.findall(r'= "(SITS_[A-Z_]+)"', environment))
     assert len(read) > 10
     assert read - listed == set()

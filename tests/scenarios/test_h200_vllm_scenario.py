@@ -99,7 +99,7 @@ def test_the_oom_hook_entry_point_is_found_by_the_plugin_loader(tmp_path: Path) 
     out = subprocess.run(
         [sys.executable, "-c", code], env={"PYTHONPATH": str(folder)}, capture_output=True, text=True, check=True
     )
-    assert "services.capture.oom_hook.plugin:register" in out.stdout
+    assert "sits_engine.oom_hook.plugin:register" in out.stdout
 
 
 def _run(mode: str, *, died: bool, warn_t: float | None, death_t: float | None, completed: int) -> dict[str, Any]:

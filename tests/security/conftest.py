@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from sits.runtime.procs import ManagedProcess, free_port, port_open
-from sits.stack.devcerts import DevCa, write_issued
-from sits.stack.tansu import TansuBroker
+from sits_app.stack.devcerts import DevCa, write_issued
+from sits_app.stack.tansu import TansuBroker
 from sits_mesh.envoy_process import envoy_binary
 
 

@@ -17,7 +17,6 @@ import pytest
 
 from services.capture.grpc_api import MUTATING_METHODS as CAPTURE_MUTATING
 from services.capture.grpc_api import binding as capture_binding
-from services.capture.oom_hook.hook import HookConfig, OomHook
 from services.capture.publisher import CapturePublisher, TopicEnsuringProducer
 from services.capture.service import CaptureService
 from services.capture.spool import Spool
@@ -30,8 +29,9 @@ from sits.runtime.events import Topics
 from sits.runtime.grpc_tls import aio_channel, channel_credentials, server_credentials
 from sits.runtime.grpcserver import GrpcServer, ServiceBinding, bearer_metadata
 from sits.runtime.settings import Settings, load_settings
-from sits.stack.embedded import wait_serving
 from sits.v1 import common_pb2, decision_pb2, decision_pb2_grpc
+from sits_app.stack.embedded import wait_serving
+from sits_engine.oom_hook.hook import HookConfig, OomHook
 from sits_mesh.admission import AdmissionQuery
 from sits_mesh.ext_proc import AdmitterUnavailable, DecisionAdmitter
 from tests.security.conftest import Certs

@@ -23,8 +23,8 @@ from sits.runtime.events import Topics, new_meta
 from sits.runtime.kafka_security import KafkaSecurityError, kafka_client_options
 from sits.runtime.settings import Settings, SettingsError, load_settings
 from sits.runtime.tap import TopicTap
-from sits.stack.tansu import TansuBroker
 from sits.v1 import common_pb2, events_pb2
+from sits_app.stack.tansu import TansuBroker
 from tests.security.conftest import Certs, TlsKafka
 from tests.waiting import eventually
 

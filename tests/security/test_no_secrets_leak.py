@@ -22,9 +22,9 @@ from sits.runtime.bus import EventProducer
 from sits.runtime.grpc_tls import aio_channel, channel_credentials
 from sits.runtime.grpcserver import bearer_metadata
 from sits.runtime.signing import read_keys
-from sits.stack.devcerts import DevCa, write_issued
-from sits.stack.embedded import EmbeddedStack
 from sits.v1 import capture_pb2_grpc, decision_pb2, decision_pb2_grpc
+from sits_app.stack.devcerts import DevCa, write_issued
+from sits_app.stack.embedded import EmbeddedStack
 from sits_mesh.pressure import read_pressure
 from tests.fixtures.otlp import OtlpReceiver
 from tests.security.conftest import PrivateRedis

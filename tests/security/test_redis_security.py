@@ -26,9 +26,9 @@ from sits.runtime.redis import RedisUnavailable, check_redis, connect, connect_w
 from sits.runtime.secret_files import mask_url
 from sits.runtime.settings import Settings
 from sits.runtime.signing import Signer, new_key, write_key_file
-from sits.stack.embedded import wait_serving
-from sits.stack.tansu import TansuBroker
 from sits.v1 import common_pb2, events_pb2, executor_pb2_grpc
+from sits_app.stack.embedded import wait_serving
+from sits_app.stack.tansu import TansuBroker
 from sits_mesh.pressure import read_pressure
 from tests.security.conftest import Certs, PrivateRedis
 from tests.security.records import Collector

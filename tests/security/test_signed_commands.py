@@ -29,8 +29,8 @@ from sits.runtime.kafka_security import kafka_client_options
 from sits.runtime.redis import connect
 from sits.runtime.settings import Settings
 from sits.runtime.signing import KeyFile, Signer, SigningKey, new_key, write_key_file
-from sits.stack.tansu import TansuBroker
 from sits.v1 import common_pb2, events_pb2
+from sits_app.stack.tansu import TansuBroker
 from sits_mesh.pressure import read_pressure
 from tests.security.records import Collector
 from tests.waiting import eventually

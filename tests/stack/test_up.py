@@ -46,7 +46,7 @@ def test_sits_up_serves_every_service_and_ctrl_c_leaves_nothing(tmp_path: Path) 
     log = tmp_path / "up.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sits.cli", "up", "--run-dir", str(tmp_path / "run")],
+            [sys.executable, "-m", "sits_app.cli", "up", "--run-dir", str(tmp_path / "run")],
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "COLUMNS": "200"},
@@ -79,7 +79,7 @@ def test_a_service_that_cannot_start_fails_sits_up_with_its_log(tmp_path: Path) 
     env = {**os.environ, "COLUMNS": "200", "SITS_NVML_HZ": "1000"}
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "sits.cli", "up", "--run-dir", str(tmp_path / "run")],
+        [sys.executable, "-m", "sits_app.cli", "up", "--run-dir", str(tmp_path / "run")],
         capture_output=True,
         text=True,
         env=env,

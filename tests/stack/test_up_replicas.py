@@ -36,7 +36,7 @@ def test_sits_up_with_replicas_splits_the_partitions_between_them(tmp_path: Path
     flags = ["--replicas", "2", "--executor-replicas", "3", "--partitions", str(PARTITIONS), "--topic-prefix", prefix]
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sits.cli", "up", "--run-dir", str(run), *flags],
+            [sys.executable, "-m", "sits_app.cli", "up", "--run-dir", str(run), *flags],
             stdout=out,
             stderr=subprocess.STDOUT,
             # INFO: the replicas log their assignments, which is what this test reads.

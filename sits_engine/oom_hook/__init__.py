@@ -5,6 +5,6 @@ protobuf stubs are imported when the hook is installed or reports, so loading
 the plugin costs the host nothing it does not already pay.
 """
 
-from services.capture.oom_hook.hook import HookConfig, OomHook, install
+from sits_engine.oom_hook.hook import HookConfig, OomHook, install
 
 __all__ = ["HookConfig", "OomHook", "install"]

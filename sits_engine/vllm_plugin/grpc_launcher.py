@@ -1,6 +1,6 @@
 """vLLM's gRPC server, started so that the engine sees the tier Envoy routed each request by.
 
-    python -m services.executor.vllm_plugin.grpc_launcher --model DIR --scheduler-cls ... [vLLM's own flags]
+    python -m sits_engine.vllm_plugin.grpc_launcher --model DIR --scheduler-cls ... [vLLM's own flags]
 
 vLLM's gRPC servicer passes no call metadata into the engine and its
 `GenerateRequest` has no priority field, so the SITS scheduler reads a

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from google.protobuf.message import Message
 
-from sits.demo.load import RequestOutcome
 from sits.runtime.events import memory_fraction, seconds
 from sits.v1 import common_pb2, events_pb2
+from sits_app.demo.load import RequestOutcome
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.capture.publisher import CapturePublisher
-from services.capture.traces import TraceTarget, read_trace, record_to_sample
+from sits.runtime.traces import TraceTarget, read_trace, record_to_sample
 from sits.v1 import common_pb2, events_pb2
 
 REPO = Path(__file__).resolve().parents[2]

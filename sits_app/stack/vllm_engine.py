@@ -36,8 +36,8 @@ from sits.runtime.procs import astop_group, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_CACHE = REPO_ROOT / ".cache" / "sits-random-llama"
-SITS_SCHEDULER_CLS = "services.executor.vllm_plugin.scheduler.SitsScheduler"
-SITS_GRPC_LAUNCHER = "services.executor.vllm_plugin.grpc_launcher"
+SITS_SCHEDULER_CLS = "sits_engine.vllm_plugin.scheduler.SitsScheduler"
+SITS_GRPC_LAUNCHER = "sits_engine.vllm_plugin.grpc_launcher"
 VLLM_GRPC_LAUNCHER = "vllm.entrypoints.launchers.grpc_server"
 CONTROL_ADDR_ENV = "SITS_ENGINE_CONTROL_ADDR"
 
@@ -58,10 +58,10 @@ def make_random_llama(directory: Path = DEFAULT_MODEL_CACHE, seed: int = 0) -> P
 
     Written into a sibling temporary folder and renamed into place, so several
     processes that ask at once never see a half-written model. The tokenizer
-    (`sits.stack.tokenizer`, for the OpenAI server's text prompts) is added to a
+    (`sits_app.stack.tokenizer`, for the OpenAI server's text prompts) is added to a
     model cached before it existed.
     """
-    from sits.stack.tokenizer import make_tokenizer
+    from sits_app.stack.tokenizer import make_tokenizer
 
     if (directory / "config.json").exists() and any(directory.glob("*.safetensors")):
         return make_tokenizer(directory, _MODEL_SHAPE["vocab_size"], _MODEL_SHAPE["max_position_embeddings"])
@@ -252,7 +252,7 @@ class VllmServer:
         await astop_group(process, grace_s)
 
 
-SITS_OPENAI_LAUNCHER = "services.executor.vllm_plugin.openai_launcher"
+SITS_OPENAI_LAUNCHER = "sits_engine.vllm_plugin.openai_launcher"
 VLLM_OPENAI_LAUNCHER = "vllm.entrypoints.openai.api_server"
 SERVED_MODEL_NAME = "sits-random-llama"
 

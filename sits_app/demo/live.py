@@ -10,7 +10,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from sits.demo.timeline import Timeline, percentile
+from sits_app.demo.timeline import Timeline, percentile
 
 WINDOW_S = 10.0
 

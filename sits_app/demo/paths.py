@@ -28,15 +28,15 @@ import yaml
 
 from services.decision.domain.kv_model import known_model
 from sits.runtime.procs import ManagedProcess, free_port
-from sits.stack.embedded import EmbeddedStack, StackConfig
-from sits.stack.vllm_engine import VllmOpenAIServer, VllmServer
+from sits_app.stack.embedded import EmbeddedStack, StackConfig
+from sits_app.stack.vllm_engine import VllmOpenAIServer, VllmServer
 from sits_mesh.envoy_process import EnvoyProcess
 from sits_mesh.policy import MeshPolicy, load_policy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MESH_POLICY = REPO_ROOT / "mesh" / "policy.yaml"
 ENGINE = "vllm-0"
-# The random-weight Llama sits.stack.vllm_engine serves, by its name in the estimator's table.
+# The random-weight Llama sits_app.stack.vllm_engine serves, by its name in the estimator's table.
 MODEL = "sits-random-llama"
 KV_BYTES_PER_TOKEN = known_model(MODEL).kv_bytes_per_token(2, 1)
 
@@ -180,7 +180,7 @@ async def start_sits(
         [
             sys.executable,
             "-m",
-            "sits.cli",
+            "sits_app.cli",
             "mesh",
             "ext-proc",
             "--policy",

@@ -25,16 +25,20 @@ class Tool:
 
 
 TOOLS = (
-    Tool("up", "sits.stack.up_cli", "start the embedded stack (Tansu, Redis, the four services); Ctrl-C stops it"),
-    Tool("demo", "sits.demo.cli", "the main job: real vLLM behind Envoy under rising load, healed live, and a report"),
-    Tool("watch", "sits.demo.watch_cli", "live view of a running stack: memory, forecast, actions, verdicts"),
+    Tool("up", "sits_app.stack.up_cli", "start the embedded stack (Tansu, Redis, the four services); Ctrl-C stops it"),
+    Tool(
+        "demo", "sits_app.demo.cli", "the main job: real vLLM behind Envoy under rising load, healed live, and a report"
+    ),
+    Tool("watch", "sits_app.demo.watch_cli", "live view of a running stack: memory, forecast, actions, verdicts"),
     Tool("estimate", "services.decision.estimator_cli", "model memory on a GPU: weights, KV cache, what fits"),
     Tool("mig", "services.executor.mig.cli", "plan a MIG re-partition that touches only what must change"),
     Tool("mesh", "sits_mesh.cli", "render Envoy and Istio configs from a mesh policy"),
-    Tool("fleet", "sits.fleet.cli", "simulate a fleet of GPUs: recorded H200 traces, shifted and mixed, into Kafka"),
-    Tool("settings", "sits.settings_cli", "list every SITS_ setting, its default and meaning"),
-    Tool("keys", "sits.keys_cli", "make and rotate the keys that sign healing commands"),
-    Tool("tls", "sits.stack.devcerts", "development certificates (a CA, server and client certificates)"),
+    Tool(
+        "fleet", "sits_app.fleet.cli", "simulate a fleet of GPUs: recorded H200 traces, shifted and mixed, into Kafka"
+    ),
+    Tool("settings", "sits_app.settings_cli", "list every SITS_ setting, its default and meaning"),
+    Tool("keys", "sits_app.keys_cli", "make and rotate the keys that sign healing commands"),
+    Tool("tls", "sits_app.stack.devcerts", "development certificates (a CA, server and client certificates)"),
 )
 
 

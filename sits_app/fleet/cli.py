@@ -13,9 +13,9 @@ from pathlib import Path
 
 from services.capture.publisher import CapturePublisher, TopicEnsuringProducer
 from services.capture.spool import Spool
-from sits.fleet.sim import Fleet, load_frames, trace_paths
 from sits.runtime.events import Topics
 from sits.runtime.settings import Settings, load_settings
+from sits_app.fleet.sim import Fleet, load_frames, trace_paths
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

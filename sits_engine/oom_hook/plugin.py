@@ -18,7 +18,7 @@ def register() -> None:
     if os.environ.get("SITS_OOM_HOOK_DISABLED", "") in ("1", "true", "yes"):
         return
     try:
-        from services.capture.oom_hook.hook import install
+        from sits_engine.oom_hook.hook import install
 
         hook = install()
         log.info("sits oom hook: %s", hook.status)

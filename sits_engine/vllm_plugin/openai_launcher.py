@@ -1,6 +1,6 @@
 """vLLM's OpenAI-compatible HTTP server, started so that the engine sees the tier Envoy routed each request by.
 
-    python -m services.executor.vllm_plugin.openai_launcher --model DIR [vLLM's own flags]
+    python -m sits_engine.vllm_plugin.openai_launcher --model DIR [vLLM's own flags]
 
 The HTTP twin of `grpc_launcher`. vLLM's OpenAI server names each engine
 request `cmpl-<X-Request-Id>...` / `chatcmpl-<X-Request-Id>...`, and the SITS
@@ -35,8 +35,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-SCHEDULER_CLS = "services.executor.vllm_plugin.scheduler.SitsScheduler"
-MIDDLEWARE = "services.executor.vllm_plugin.openai_launcher.TierMiddleware"
+SCHEDULER_CLS = "sits_engine.vllm_plugin.scheduler.SitsScheduler"
+MIDDLEWARE = "sits_engine.vllm_plugin.openai_launcher.TierMiddleware"
 _TIER = TIER_HEADER.encode()
 _REQUEST_ID = b"x-request-id"
 _SERVER_MODULES = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.capture.oom_hook.spool import spool_event
+from sits_engine.oom_hook.spool import spool_event
 
 log = logging.getLogger("sits.oom_hook")
 
@@ -340,7 +340,7 @@ class GrpcReporter:
 
 def event_to_proto(event: dict[str, Any]) -> Any:
     """The hook's event dict (also the spool file's content) as a sits.v1.OomEvent."""
-    from services.capture.traces import TraceTarget, record_to_oom
+    from sits.runtime.traces import TraceTarget, record_to_oom
 
     target = event.get("target") or {}
     return record_to_oom(

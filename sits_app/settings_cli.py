@@ -22,8 +22,8 @@ SERVICE_SETTINGS = {
 }
 # Variables read inside vLLM's processes (no settings class there): module of their ENVIRONMENT rows.
 ENGINE_VARIABLES = {
-    "vLLM (OOM hook)": "services.capture.oom_hook.hook",
-    "vLLM (scheduler plugin)": "services.executor.vllm_plugin.environment",
+    "vLLM (OOM hook)": "sits_engine.oom_hook.hook",
+    "vLLM (scheduler plugin)": "sits_engine.vllm_plugin.environment",
 }
 
 

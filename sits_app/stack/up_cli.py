@@ -14,7 +14,7 @@ from rich.table import Table
 from sits.runtime.redis import RedisUnavailable
 from sits.runtime.secret_files import mask_url
 from sits.runtime.settings import Settings, load_settings
-from sits.stack.embedded import REPLICATED, EmbeddedStack, ServiceExited, StackConfig
+from sits_app.stack.embedded import REPLICATED, EmbeddedStack, ServiceExited, StackConfig
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

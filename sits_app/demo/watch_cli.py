@@ -13,11 +13,11 @@ import grpc
 from rich.console import Console
 from rich.live import Live
 
-from sits.demo.live import render
-from sits.demo.timeline import Timeline
 from sits.runtime.events import Topics
 from sits.runtime.tap import TopicTap
 from sits.v1 import common_pb2, decision_pb2, decision_pb2_grpc
+from sits_app.demo.live import render
+from sits_app.demo.timeline import Timeline
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.capture.traces import (
+from sits.runtime.traces import (
     TraceFormatError,
     TraceHeader,
     TraceTarget,

@@ -24,7 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from sits.demo.timeline import Timeline, oscillations, percentile
+from sits_app.demo.timeline import Timeline, oscillations, percentile
 
 COLORS = {"P0": "#1b7837", "P1": "#4393c3", "P2": "#d6604d"}
 VERDICT_MARK = {
@@ -37,7 +37,7 @@ PHASE_SHADE = {"without SITS": "#f4a582", "with SITS": "#92c5de"}
 REFUSED = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
 
 
-# The phase on the engine without the plugin (`sits.demo.paths.start_baseline`): no queue-wait signal there.
+# The phase on the engine without the plugin (`sits_app.demo.paths.start_baseline`): no queue-wait signal there.
 WITHOUT_SITS = "without SITS"
 
 

@@ -16,7 +16,7 @@ import grpc
 from sits.runtime import engine_control as protocol
 
 if TYPE_CHECKING:
-    from services.executor.vllm_plugin.scheduler import SitsScheduler
+    from sits_engine.vllm_plugin.scheduler import SitsScheduler
 
 
 def start_control_server(scheduler: SitsScheduler, address: str) -> grpc.Server:

@@ -40,7 +40,7 @@ from sits.runtime.redis import check_redis
 from sits.runtime.secret_files import mask_url
 from sits.runtime.settings import Settings, load_settings
 from sits.runtime.signing import KeyFile, Signer, new_key, write_key_file
-from sits.stack.tansu import TansuBroker
+from sits_app.stack.tansu import TansuBroker
 
 SERVICES = ("capture", "decision", "executor", "validator")
 # Services that scale through a consumer group; capture runs one process per GPU host instead.
@@ -272,7 +272,7 @@ class EmbeddedStack:
             env[f"SITS_{service_name.upper()}_ADDR"] = address
         process = ManagedProcess(
             name,
-            [sys.executable, "-m", "sits.cli", service_name],
+            [sys.executable, "-m", "sits_app.cli", service_name],
             self.config.run_dir / "logs" / f"{name}.log",
             env=env,
         )
