@@ -45,7 +45,7 @@ async def publish_stand_in_samples(
     """NVML-shaped samples of a device of `total_bytes`, `used_bytes(now)` used, at `hz` for `max_s` seconds.
 
     Tagged SAMPLE_SOURCE_REPLAY, so nobody takes them for a measurement. The h200_vllm rehearsal's
-    stand-in (`scenarios.h200_vllm.cpu_gpu`) publishes through this too.
+    stand-in (`scenarios.h200_vllm.gpu_standin`) publishes through this too.
     """
     settings = Settings(kafka_bootstrap=bootstrap, topic_prefix=topic_prefix)
     topics = Topics(topic_prefix)

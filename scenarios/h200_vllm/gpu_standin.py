@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from scenarios.h200_oom.synthetic_gpu import publish_stand_in_samples
+from scenarios.h200_oom.gpu_standin import publish_stand_in_samples
 from sits.v1 import common_pb2
 
 
