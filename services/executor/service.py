@@ -40,7 +40,8 @@ from services.executor.adapters.envoy import EnvoyAdmin
 from services.executor.adapters.redis_state import Lease, LeaseHeld, RedisState
 from services.executor.domain import ActionKind, BreakerPolicy, Tier
 from sits.runtime.clock import Clock
-from sits.runtime.events import new_meta, target_key
+from sits.runtime.contract import format_target_key
+from sits.runtime.events import new_meta
 from sits.v1 import common_pb2, events_pb2
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class Executor:
             return await self.rollback(command.rollback.action_id, command=command)
         target_name = command.meta.target.engine
         if engine_level and target_name in self.targets:
-            await self._remember_key(target_name, target_key(command.meta.target))
+            await self._remember_key(target_name, format_target_key(command.meta.target))
         if domain.is_stale(command, self.clock.now()):
             result = self.result_for(command, ActionStatus.ACTION_STATUS_SKIPPED_STALE, "deadline passed; not applied")
             await self.state.record(target_name, result, mark_applied=False)

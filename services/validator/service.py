@@ -33,6 +33,7 @@ from services.validator.domain import (
 )
 from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, partition_of
 from sits.runtime.clock import Clock
+from sits.runtime.contract import parse_target_key
 from sits.runtime.events import Topics, header_value, new_meta, seconds
 from sits.runtime.fanout import Fanout
 from sits.runtime.promise import promise_from_pb
@@ -250,8 +251,12 @@ def engine_observation(engine: events_pb2.EngineLoad, at: float) -> EngineObserv
 
 
 def _target_from_key(key: str) -> common_pb2.Target:
-    host, gpu, mig, engine = [*key.split("/"), "", "", ""][:4]
-    return common_pb2.Target(host=host, gpu_uuid=gpu, mig_instance=mig, engine=engine)
+    try:
+        return common_pb2.Target(**parse_target_key(key)._asdict())
+    except ValueError:
+        # A key from an older writer: keep what it names rather than lose the verdict.
+        host, gpu, mig = [*key.split("/"), "", ""][:3]
+        return common_pb2.Target(host=host, gpu_uuid=gpu, mig_instance=mig)
 
 
 class PendingMoves:

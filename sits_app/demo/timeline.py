@@ -16,7 +16,8 @@ from pathlib import Path
 
 from google.protobuf.message import Message
 
-from sits.runtime.events import memory_fraction, seconds
+from sits.runtime.contract import memory_fraction
+from sits.runtime.events import seconds
 from sits.v1 import common_pb2, events_pb2
 from sits_app.demo.load import RequestOutcome
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from sits.runtime.contract import format_target_key
 from sits.runtime.promise import Promise
 
 
@@ -21,7 +22,7 @@ class Target:
 
     @property
     def key(self) -> str:
-        return f"{self.host}/{self.gpu_uuid}/{self.mig_instance}/{self.engine}"
+        return format_target_key(self)
 
     def gpu_level(self) -> Target:
         """The GPU (or MIG instance) this engine runs on, for GPU-wide commands."""
