@@ -24,38 +24,10 @@ from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any
 
+from sits.runtime.contract import ALL_TIERS, Tier
 from sits.v1 import common_pb2, events_pb2
 
 ActionKind = events_pb2.ActionKind
-
-
-class Tier(IntEnum):
-    """SITS priority tiers; a smaller value is more important (P0 highest)."""
-
-    P0 = 0
-    P1 = 1
-    P2 = 2
-
-    @classmethod
-    def from_proto(cls, priority: int) -> Tier:
-        if priority == common_pb2.PRIORITY_P0:
-            return cls.P0
-        if priority == common_pb2.PRIORITY_P1:
-            return cls.P1
-        if priority == common_pb2.PRIORITY_P2:
-            return cls.P2
-        raise ValueError(f"priority {priority} is not P0, P1 or P2")
-
-    def to_proto(self) -> common_pb2.Priority.ValueType:
-        return (common_pb2.PRIORITY_P0, common_pb2.PRIORITY_P1, common_pb2.PRIORITY_P2)[self]
-
-    @property
-    def mesh_name(self) -> str:
-        """The tier's name in the mesh (Envoy cluster suffix, runtime keys): p0, p1, p2."""
-        return self.name.lower()
-
-
-ALL_TIERS: tuple[Tier, ...] = (Tier.P0, Tier.P1, Tier.P2)
 
 
 # ---------------------------------------------------------------- engine limits

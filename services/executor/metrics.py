@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge
 
 from services.executor import domain
+from sits.runtime.contract import ALL_TIERS
 from sits.v1 import events_pb2
 
 ACTIONS = Counter("sits_actions_total", "Action results published, by action kind and status.", ["kind", "status"])
@@ -24,7 +25,7 @@ def count_result(result: events_pb2.ActionResult) -> None:
 
 def export_breakers(engine: str, board: domain.BreakerBoard, now: float, policy: domain.BreakerPolicy) -> None:
     effective = board.effective(now, policy)
-    for tier in domain.ALL_TIERS:
+    for tier in ALL_TIERS:
         current = effective.get(tier, policy).state
         for state in domain.BreakerState:
             BREAKER_STATE.labels(engine=engine, priority=tier.name, state=state.name.lower()).set(

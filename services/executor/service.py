@@ -38,9 +38,9 @@ from services.executor.actions.tier_limits import budget_state
 from services.executor.adapters.engine import EngineRejected
 from services.executor.adapters.envoy import EnvoyAdmin
 from services.executor.adapters.redis_state import Lease, LeaseHeld, RedisState
-from services.executor.domain import ActionKind, BreakerPolicy, Tier
+from services.executor.domain import ActionKind, BreakerPolicy
 from sits.runtime.clock import Clock
-from sits.runtime.contract import format_target_key
+from sits.runtime.contract import Tier, format_target_key
 from sits.runtime.events import new_meta
 from sits.v1 import common_pb2, events_pb2
 

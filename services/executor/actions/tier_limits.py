@@ -12,7 +12,8 @@ from typing import ClassVar
 
 from services.executor import domain
 from services.executor.actions.base import Action, ActionContext, EngineTarget, Renewal
-from services.executor.domain import ActionKind, Tier
+from services.executor.domain import ActionKind
+from sits.runtime.contract import Tier
 from sits.v1 import events_pb2
 
 
