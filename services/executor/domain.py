@@ -187,7 +187,7 @@ class BreakerRecord:
 
     def to_proto(self) -> events_pb2.BreakerSetting:
         return events_pb2.BreakerSetting(
-            priority=self.tier.to_proto(),
+            priority=common_pb2.Priority.ValueType(self.tier.to_proto()),
             state=events_pb2.BreakerState.ValueType(int(self.state)),
             max_requests=self.max_requests,
             ttl_seconds=self.ttl_s,
@@ -276,7 +276,10 @@ class TierBudgetRecord:
         return now < self.until
 
     def to_proto(self) -> list[events_pb2.TierLimit]:
-        return [events_pb2.TierLimit(priority=t.to_proto(), max_requests=n) for t, n in sorted(self.limits.items())]
+        return [
+            events_pb2.TierLimit(priority=common_pb2.Priority.ValueType(t.to_proto()), max_requests=n)
+            for t, n in sorted(self.limits.items())
+        ]
 
 
 def budget_limits(budget: events_pb2.TierBudget) -> dict[Tier, int]:

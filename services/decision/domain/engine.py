@@ -43,7 +43,6 @@ from services.decision.domain.types import (
     Forecast,
     OomEvent,
     PlannedCommand,
-    Priority,
     RootCause,
     RootCauseKind,
     Sample,
@@ -51,6 +50,7 @@ from services.decision.domain.types import (
 )
 from services.decision.domain.window import DropCounter, DropReason, TargetWindow
 from sits.runtime.clock import Clock
+from sits.runtime.contract import Tier
 from sits.runtime.promise import Promise
 
 COMMAND_NAMESPACE = uuid.UUID("5e1c7a2e-0d6f-4b0e-9a55-3f1f6a1c0b7e")
@@ -798,7 +798,7 @@ class DecisionEngine:
         target: Target,
         prompt_tokens: int,
         max_tokens: int,
-        priority: Priority = Priority.UNSPECIFIED,
+        priority: Tier | None = None,
         prompt_logprobs: int = 0,
     ) -> AdmitDecision:
         state = self._states.get(target.key)

@@ -127,15 +127,6 @@ class OomEvent:
     message: str = ""
 
 
-class Priority(enum.IntEnum):
-    """Same numbers as sits.v1.Priority."""
-
-    UNSPECIFIED = 0
-    P0 = 1
-    P1 = 2
-    P2 = 3
-
-
 class ActionKind(enum.Enum):
     """Names of sits.v1.ActionKind without the ACTION_KIND_ prefix."""
 
