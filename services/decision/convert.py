@@ -5,7 +5,6 @@ from __future__ import annotations
 from google.protobuf import timestamp_pb2
 
 from services.decision.domain.types import (
-    ActionKind,
     AllocatorStats,
     EngineLoad,
     Evidence,
@@ -19,7 +18,7 @@ from services.decision.domain.types import (
     Target,
     TierLoad,
 )
-from sits.runtime.contract import LOWEST_TIER, Tier
+from sits.runtime.contract import LOWEST_TIER, ActionKind, Tier
 from sits.runtime.promise import promise_to_pb
 from sits.v1 import common_pb2, decision_pb2, events_pb2
 
@@ -257,7 +256,7 @@ def command_to_pb(command: PlannedCommand, source: str = SOURCE) -> events_pb2.H
     """The HealingCommand for a planned command; its event id is the command id (idempotent re-sends)."""
     message = events_pb2.HealingCommand(
         command_id=command.command_id,
-        kind=events_pb2.ActionKind.Value(f"ACTION_KIND_{command.kind.value}"),
+        kind=events_pb2.ActionKind.ValueType(command.kind.to_proto()),
         reason=command.reason,
         evidence=[evidence_to_pb(e) for e in command.evidence],
         policy_rule=command.rule,

@@ -134,30 +134,14 @@ class ActionKind(enum.IntEnum):
 
 
 def action_kind_name(kind: int) -> str:
-    """The name of a sits.v1.ActionKind value, readable even when no kind has it (for messages and logs)."""
+    """The name of a sits.v1.ActionKind value without its prefix: "UNSPECIFIED" for 0, the number for one no
+    kind has (messages, logs and metric labels must not fail on a bad value)."""
+    if kind == 0:
+        return "UNSPECIFIED"
     try:
         return ActionKind(kind).name
     except ValueError:
-        return f"ACTION_KIND_{kind}"
-
-
-# The settle window of an action whose promise states none: how long its effect takes to show.
-DEFAULT_SETTLE_S: Final[dict[ActionKind, float]] = {
-    ActionKind.SET_ENGINE_LIMITS: 5.0,
-    ActionKind.SHED_PRIORITY: 5.0,
-    ActionKind.SET_TIER_BUDGET: 5.0,
-    ActionKind.SET_PRESSURE: 3.0,
-    ActionKind.FLUSH_CACHE: 2.0,
-    ActionKind.ABORT_LOW_PRIORITY: 3.0,
-    ActionKind.PAUSE_ADMISSION: 3.0,
-    ActionKind.RESUME_ADMISSION: 3.0,
-    ActionKind.MIG_REBALANCE: 30.0,
-}
-FALLBACK_SETTLE_S: Final = 5.0
-# Actions that are not themselves validated: a rollback restores a state already judged.
-NOT_VALIDATED: Final = frozenset({ActionKind.ROLLBACK})
-# Kinds whose effect cannot be put back: the decision promises an effect, the validator checks it, never rolls back.
-NOT_UNDOABLE: Final = frozenset({ActionKind.FLUSH_CACHE, ActionKind.ABORT_LOW_PRIORITY})
+        return str(kind)
 
 
 # ---------------------------------------------------------------- memory

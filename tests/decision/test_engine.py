@@ -9,14 +9,13 @@ from services.decision.domain.engine import DecisionEngine
 from services.decision.domain.kv_model import known_model
 from services.decision.domain.policy import Policy, parse_policy
 from services.decision.domain.types import (
-    ActionKind,
     EngineLoad,
     OomEvent,
     PlannedCommand,
     RootCauseKind,
 )
 from sits.runtime.clock import ManualClock
-from sits.runtime.contract import Tier
+from sits.runtime.contract import ActionKind, Tier
 from tests.decision.decision_builders import GIB, TARGET, TOTAL, make_sample
 
 

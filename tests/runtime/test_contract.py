@@ -69,7 +69,8 @@ def test_action_kind_matches_the_proto() -> None:
         assert ActionKind.parse(kind.name) is kind
         assert ActionKind.parse(f"ACTION_KIND_{kind.name}") is kind
         assert action_kind_name(kind) == kind.name
-    assert action_kind_name(99) == "ACTION_KIND_99"
+    assert action_kind_name(events_pb2.ACTION_KIND_UNSPECIFIED) == "UNSPECIFIED"
+    assert action_kind_name(99) == "99"
     with pytest.raises(ValueError, match="unknown action kind"):
         ActionKind.from_proto(events_pb2.ACTION_KIND_UNSPECIFIED)
     with pytest.raises(ValueError, match="unknown action kind"):

@@ -38,7 +38,6 @@ from services.decision.domain.root_cause import classify
 from services.decision.domain.step_budget import StepBudgetTerms, StepMemory, step_memory
 from services.decision.domain.types import (
     NO_ROOT_CAUSE,
-    ActionKind,
     Evidence,
     Forecast,
     OomEvent,
@@ -50,7 +49,7 @@ from services.decision.domain.types import (
 )
 from services.decision.domain.window import DropCounter, DropReason, TargetWindow
 from sits.runtime.clock import Clock
-from sits.runtime.contract import Tier
+from sits.runtime.contract import ActionKind, Tier
 from sits.runtime.promise import Promise
 
 COMMAND_NAMESPACE = uuid.UUID("5e1c7a2e-0d6f-4b0e-9a55-3f1f6a1c0b7e")
@@ -499,11 +498,9 @@ class DecisionEngine:
         evidence, reason = self._evidence(state, rule, oom, clearing, step)
         planned = []
         for action, target in zip(actions, targets, strict=True):
-            kind = ActionKind(action.kind)
+            kind = ActionKind.parse(action.kind)
             command_id = str(
-                uuid.uuid5(
-                    COMMAND_NAMESPACE, f"{target.key}|{rule.name}|{kind.value}|{cause_event_id}|{t!r}|{clearing}"
-                )
+                uuid.uuid5(COMMAND_NAMESPACE, f"{target.key}|{rule.name}|{kind.name}|{cause_event_id}|{t!r}|{clearing}")
             )
             params = self._params(state, action, step)
             self._remember(command_id, _Issued(state.target.key, rule.name, clearing, controller=False))

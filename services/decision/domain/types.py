@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from sits.runtime.contract import format_target_key
+from sits.runtime.contract import ActionKind, format_target_key
 from sits.runtime.promise import Promise
 
 
@@ -125,20 +125,6 @@ class OomEvent:
     device_total_bytes: int = 0
     allocator: AllocatorStats | None = None
     message: str = ""
-
-
-class ActionKind(enum.Enum):
-    """Names of sits.v1.ActionKind without the ACTION_KIND_ prefix."""
-
-    SET_ENGINE_LIMITS = "SET_ENGINE_LIMITS"
-    SHED_PRIORITY = "SHED_PRIORITY"
-    SET_PRESSURE = "SET_PRESSURE"
-    FLUSH_CACHE = "FLUSH_CACHE"
-    ABORT_LOW_PRIORITY = "ABORT_LOW_PRIORITY"
-    PAUSE_ADMISSION = "PAUSE_ADMISSION"
-    RESUME_ADMISSION = "RESUME_ADMISSION"
-    MIG_REBALANCE = "MIG_REBALANCE"
-    SET_TIER_BUDGET = "SET_TIER_BUDGET"
 
 
 class RootCauseKind(enum.Enum):
