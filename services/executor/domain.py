@@ -388,6 +388,9 @@ _PARAMS_FOR_KIND: dict[int, str | None] = {
 }
 
 
+_TIER_PRIORITIES = frozenset(tier.to_proto() for tier in ALL_TIERS)
+
+
 def kind_name(kind: int) -> str:
     """The kind as sits.v1 spells it, for messages an operator matches against the .proto."""
     return f"ACTION_KIND_{action_kind_name(kind)}"
@@ -430,7 +433,7 @@ def validate_command(
         reasons.extend(budget_reasons(command.tier_budget, breaker_policy or BreakerPolicy()))
     elif kind == ActionKind.SHED_PRIORITY:
         setting = command.breaker
-        if setting.priority not in (common_pb2.PRIORITY_P0, common_pb2.PRIORITY_P1, common_pb2.PRIORITY_P2):
+        if setting.priority not in _TIER_PRIORITIES:
             reasons.append("breaker.priority must be P0, P1 or P2")
         if setting.state not in (
             events_pb2.BREAKER_STATE_CLOSED,
@@ -446,7 +449,7 @@ def validate_command(
         if not (math.isfinite(command.pressure) and 0.0 <= command.pressure <= 1.0):
             reasons.append(f"pressure must be in [0, 1], got {command.pressure}")
     elif kind == ActionKind.ABORT_LOW_PRIORITY:
-        if command.abort.at_or_below not in (common_pb2.PRIORITY_P0, common_pb2.PRIORITY_P1, common_pb2.PRIORITY_P2):
+        if command.abort.at_or_below not in _TIER_PRIORITIES:
             reasons.append("abort.at_or_below must be P0, P1 or P2")
         if command.abort.max_streams < 1:
             reasons.append(f"abort.max_streams must be >= 1, got {command.abort.max_streams}")
