@@ -44,7 +44,7 @@ class TierStats:
     _tiers: dict[int, _TierCounters] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._tiers = {tier: _TierCounters(deque(maxlen=self.max_samples)) for tier in ALL_TIERS}
+        self._tiers = {int(tier): _TierCounters(deque(maxlen=self.max_samples)) for tier in ALL_TIERS}
 
     def first_scheduled(self, tier: int, now: float, arrival: float) -> None:
         counters = self._tiers[tier]
