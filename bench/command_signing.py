@@ -43,7 +43,8 @@ from services.executor.adapters.engine import EngineControlClient
 from services.executor.command_gate import action_digest
 from sits.runtime.bus import EventProducer
 from sits.runtime.clock import SystemClock
-from sits.runtime.events import DLQ_REASON_HEADER, Topics, cloudevent_headers, decode_event, new_meta, target_key
+from sits.runtime.contract import format_target_key
+from sits.runtime.events import DLQ_REASON_HEADER, Topics, cloudevent_headers, decode_event, new_meta
 from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.settings import Settings
 from sits.runtime.signing import KeyFile, Signer, SigningKey, Verifier, new_key, write_key_file
@@ -93,7 +94,7 @@ def micro(workdir: Path, count: int) -> dict[str, float]:
     verifier = Verifier(KeyFile(key_file, recheck_s=0.0))  # as the executor has it: a stat per command
     command = decision_like_command(12)
     value = command.SerializeToString()
-    record_key = target_key(command.meta.target).encode()
+    record_key = format_target_key(command.meta.target).encode()
     headers = signer.headers(record_key, value)
     assert verifier.verify(headers, record_key, value) == "bench-1"
     return {
@@ -180,7 +181,7 @@ async def gate_p99_ms(stack: EmbeddedStack, count: int) -> dict[str, float]:
         for i in range(count):
             command = decision_like_command(12, command_id=f"bench-gate-{i}-{uuid.uuid4().hex}")
             value = command.SerializeToString()
-            key = target_key(command.meta.target).encode()
+            key = format_target_key(command.meta.target).encode()
             headers = tuple(cloudevent_headers(command) + signer.headers(key, value))
             event = ReceivedEvent(
                 topic="t", partition=0, offset=i, key=key.decode(), message=command, headers=headers,
@@ -218,7 +219,7 @@ async def forged_round(stack: EmbeddedStack, control: EngineControlClient) -> di
                 forged[name] = c.command_id
                 await other.publish(topics.commands, c)
         original = decision_like_command(8)
-        record_key = target_key(original.meta.target)
+        record_key = format_target_key(original.meta.target)
         headers = cloudevent_headers(original, record_key) + signer.headers(
             record_key.encode(), original.SerializeToString()
         )

@@ -28,12 +28,12 @@ from services.decision.domain.types import (
     AllocatorStats,
     EngineLoad,
     GpuMemory,
-    Priority,
     ProcessMemory,
     Sample,
     Target,
 )
 from sits.runtime.clock import ManualClock
+from sits.runtime.contract import Tier
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -140,7 +140,7 @@ def main() -> int:
     for i in range(50_000):
         target = targets[i % len(targets)]
         begin = perf()
-        engine.admit(target, 512 + i % 4096, 256, Priority.P1)
+        engine.admit(target, 512 + i % 4096, 256, Tier.P1)
         admit_us.append((perf() - begin) / 1e3)
 
     result = {

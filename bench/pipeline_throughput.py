@@ -69,7 +69,8 @@ from services.capture.settings import CaptureSettings
 from services.capture.spool import Spool
 from sits.runtime.bus import ensure_topics
 from sits.runtime.clock import SystemClock
-from sits.runtime.events import Topics, metric_batch, target_key
+from sits.runtime.contract import format_target_key
+from sits.runtime.events import Topics, metric_batch
 from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.procs import ManagedProcess, free_port
 from sits.runtime.settings import Settings
@@ -333,7 +334,7 @@ def packed_payloads(samples: list[events_pb2.MetricSample]) -> list[tuple[bytes,
     for start in range(0, len(samples), window):
         per_target: dict[str, list[events_pb2.MetricSample]] = {}
         for sample in samples[start : start + window]:
-            per_target.setdefault(target_key(sample.meta.target), []).append(sample)
+            per_target.setdefault(format_target_key(sample.meta.target), []).append(sample)
         for key, group in per_target.items():
             for first in range(0, len(group), MAX_SAMPLES_PER_RECORD):
                 batch = metric_batch(group[first : first + MAX_SAMPLES_PER_RECORD], "bench")
@@ -489,7 +490,7 @@ async def run_config(
                 payloads = []
                 for sample in make_samples(count, targets, seed=200 + r):
                     capture.stamper.stamp_sample(sample, "bench")
-                    payloads.append((target_key(sample.meta.target).encode(), sample.SerializeToString()))
+                    payloads.append((format_target_key(sample.meta.target).encode(), sample.SerializeToString()))
                 raw_rate, raw_cpu = await raw_round(settings, f"{prefix}raw{r}", payloads, broker_proc.pid)
                 packed = packed_payloads([events_pb2.MetricSample.FromString(value) for _key, value in payloads])
                 packed_records_per_s, _ = await raw_round(

@@ -39,6 +39,7 @@ from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from prometheus_client import Counter, Gauge
 
 from sits.runtime.clock import Clock, SystemClock
+from sits.runtime.contract import Tier
 from sits.v1 import common_pb2, decision_pb2, decision_pb2_grpc
 from sits_mesh.admission import (
     MAX_BODY_BYTES,
@@ -77,12 +78,6 @@ log = logging.getLogger(__name__)
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 GRPC_RESOURCE_EXHAUSTED = 8
 GRPC_UNAVAILABLE = 14
-
-_PRIORITY_PROTO: dict[PriorityName, int] = {
-    "p0": common_pb2.PRIORITY_P0,
-    "p1": common_pb2.PRIORITY_P1,
-    "p2": common_pb2.PRIORITY_P2,
-}
 
 
 class PressureSource(Protocol):
@@ -138,7 +133,7 @@ class DecisionAdmitter:
             target=self._target,
             prompt_tokens=query.prompt_tokens,
             max_tokens=query.max_tokens,
-            priority=_PRIORITY_PROTO[query.priority],  # type: ignore[arg-type]
+            priority=common_pb2.Priority.ValueType(Tier.parse(query.priority).to_proto()),
             prompt_logprobs=query.prompt_logprobs,
         )
         try:

@@ -8,13 +8,17 @@ config Envoy accepts.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from sits.runtime.contract import ALL_TIERS
+
+# The tiers' mesh names (sits.runtime.contract.Tier.mesh_name) spelled as a type, so pydantic checks a policy's
+# class names; tests/mesh/test_policy_and_admission.py holds it to the contract.
 PriorityName = Literal["p0", "p1", "p2"]
-PRIORITY_NAMES: tuple[PriorityName, ...] = ("p0", "p1", "p2")
+PRIORITY_NAMES: tuple[PriorityName, ...] = tuple(cast(PriorityName, tier.mesh_name) for tier in ALL_TIERS)
 
 # HTTP/2 (RFC 9113) bounds; Envoy rejects windows outside them.
 MIN_H2_WINDOW = 65_535

@@ -17,7 +17,7 @@ import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from scenarios.h200_vllm.plan import Arrival, prompt_for
-from sits.runtime.engine_control import TIER_HEADER
+from sits.runtime.contract import TIER_HEADER
 
 
 @dataclass

@@ -16,16 +16,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from sits.runtime.clock import Clock
+from sits.runtime.contract import format_target_key, parse_target_key
 from sits.v1 import capture_pb2, common_pb2, events_pb2
-
-TargetKey = tuple[str, str, str, str]
 
 # Larger than any GPU made or planned (1 PiB): a figure beyond it is a bug in the reporter.
 ABSURD_BYTES = 1 << 50
-
-
-def target_key(target: common_pb2.Target) -> TargetKey:
-    return (target.host, target.gpu_uuid, target.mig_instance, target.engine)
 
 
 def matches(selector: capture_pb2.TargetFilter | common_pb2.Target, target: common_pb2.Target) -> bool:
@@ -103,13 +98,13 @@ class LatestState:
         if max_targets < 1:
             raise ValueError("max_targets must be at least 1")
         self._max_targets = max_targets
-        self._parts: OrderedDict[TargetKey, dict[str, events_pb2.MetricSample]] = OrderedDict()
+        self._parts: OrderedDict[str, dict[str, events_pb2.MetricSample]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._parts)
 
     def update(self, sample: events_pb2.MetricSample) -> None:
-        key = target_key(sample.meta.target)
+        key = format_target_key(sample.meta.target)
         parts = self._parts.get(key)
         if parts is None:
             parts = {}
@@ -125,7 +120,7 @@ class LatestState:
     def snapshot(self, selector: common_pb2.Target) -> events_pb2.MetricSample | None:
         """The merged latest view of the most recently updated target matching `selector`."""
         for key in reversed(self._parts):
-            target = common_pb2.Target(host=key[0], gpu_uuid=key[1], mig_instance=key[2], engine=key[3])
+            target = common_pb2.Target(**parse_target_key(key)._asdict())
             if matches(selector, target):
                 return self._merge(target, self._parts[key])
         return None

@@ -36,7 +36,8 @@ from opentelemetry import context as otel_context
 from services.capture import metrics
 from services.capture.sources.base import Backoff, Sleep, default_sleep
 from services.capture.spool import RecordKind, Spool, SpoolRecord
-from sits.runtime.events import Topics, memory_fraction, metric_batch
+from sits.runtime.contract import memory_fraction
+from sits.runtime.events import Topics, metric_batch
 from sits.v1 import events_pb2
 
 log = logging.getLogger(__name__)

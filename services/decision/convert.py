@@ -5,7 +5,6 @@ from __future__ import annotations
 from google.protobuf import timestamp_pb2
 
 from services.decision.domain.types import (
-    ActionKind,
     AllocatorStats,
     EngineLoad,
     Evidence,
@@ -13,19 +12,18 @@ from services.decision.domain.types import (
     GpuMemory,
     OomEvent,
     PlannedCommand,
-    Priority,
     ProcessMemory,
     RootCause,
     Sample,
     Target,
     TierLoad,
 )
+from sits.runtime.contract import LOWEST_TIER, ActionKind, Tier
 from sits.runtime.promise import promise_to_pb
 from sits.v1 import common_pb2, decision_pb2, events_pb2
 
 SOURCE = "decision"
 
-_PRIORITY_NAMES = {"P0": common_pb2.PRIORITY_P0, "P1": common_pb2.PRIORITY_P1, "P2": common_pb2.PRIORITY_P2}
 _BREAKER_STATES = {
     "OPEN": events_pb2.BREAKER_STATE_OPEN,
     "HALF_OPEN": events_pb2.BREAKER_STATE_HALF_OPEN,
@@ -204,8 +202,12 @@ def oom_from_pb(oom: events_pb2.OomEvent) -> OomEvent:
     )
 
 
-def priority_from_pb(priority: int) -> Priority:
-    return Priority(priority) if priority in (0, 1, 2, 3) else Priority.UNSPECIFIED
+def priority_from_pb(priority: int) -> Tier | None:
+    """The request's tier; None when it names none (PRIORITY_UNSPECIFIED) or an unknown one."""
+    try:
+        return Tier.from_proto(priority)
+    except ValueError:
+        return None
 
 
 def evidence_to_pb(evidence: Evidence) -> common_pb2.Evidence:
@@ -233,6 +235,13 @@ def root_cause_to_pb(root_cause: RootCause) -> decision_pb2.RootCause:
     )
 
 
+def _tier_param(params: dict[str, object], name: str, default: Tier) -> Tier:
+    try:
+        return Tier.parse(str(params.get(name)))
+    except ValueError:
+        return default
+
+
 def _int(params: dict[str, object], name: str, default: int = 0) -> int:
     value = params.get(name, default)
     return int(value) if isinstance(value, int | float) else default
@@ -247,7 +256,7 @@ def command_to_pb(command: PlannedCommand, source: str = SOURCE) -> events_pb2.H
     """The HealingCommand for a planned command; its event id is the command id (idempotent re-sends)."""
     message = events_pb2.HealingCommand(
         command_id=command.command_id,
-        kind=events_pb2.ActionKind.Value(f"ACTION_KIND_{command.kind.value}"),
+        kind=events_pb2.ActionKind.ValueType(command.kind.to_proto()),
         reason=command.reason,
         evidence=[evidence_to_pb(e) for e in command.evidence],
         policy_rule=command.rule,
@@ -278,7 +287,7 @@ def command_to_pb(command: PlannedCommand, source: str = SOURCE) -> events_pb2.H
     elif kind is ActionKind.SHED_PRIORITY:
         message.breaker.CopyFrom(
             events_pb2.BreakerSetting(
-                priority=_PRIORITY_NAMES.get(str(params.get("priority")), common_pb2.PRIORITY_P2),
+                priority=common_pb2.Priority.ValueType(_tier_param(params, "priority", LOWEST_TIER).to_proto()),
                 state=_BREAKER_STATES.get(str(params.get("state")), events_pb2.BREAKER_STATE_OPEN),
                 max_requests=_int(params, "max_requests"),
                 ttl_seconds=_int(params, "ttl_seconds", 30),
@@ -290,7 +299,7 @@ def command_to_pb(command: PlannedCommand, source: str = SOURCE) -> events_pb2.H
     elif kind is ActionKind.ABORT_LOW_PRIORITY:
         message.abort.CopyFrom(
             events_pb2.AbortParams(
-                at_or_below=_PRIORITY_NAMES.get(str(params.get("at_or_below")), common_pb2.PRIORITY_P2),
+                at_or_below=common_pb2.Priority.ValueType(_tier_param(params, "at_or_below", LOWEST_TIER).to_proto()),
                 max_streams=_int(params, "max_streams", 1),
             )
         )
@@ -310,7 +319,7 @@ def command_to_pb(command: PlannedCommand, source: str = SOURCE) -> events_pb2.H
         tier_limits = params.get("limits", {})
         if isinstance(tier_limits, dict):
             for tier, max_requests in sorted(tier_limits.items()):
-                budget.limits.add(priority=common_pb2.Priority.ValueType(int(tier) + 1), max_requests=int(max_requests))
+                budget.limits.add(priority=Tier(int(tier)).to_proto(), max_requests=int(max_requests))
         message.tier_budget.CopyFrom(budget)
     message.promise.CopyFrom(promise_to_pb(command.promise))
     return message

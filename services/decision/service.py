@@ -31,11 +31,12 @@ from services.decision.domain.admission import EngineProfile
 from services.decision.domain.engine import ActionOutcome, DecisionEngine
 from services.decision.domain.kv_model import ModelShape, known_model, shape_from_hf_config
 from services.decision.domain.policy import parse_policy
-from services.decision.domain.types import ActionKind, PlannedCommand
+from services.decision.domain.types import PlannedCommand
 from services.decision.handover import HandoverStore
 from services.decision.settings import DecisionSettings
 from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, partition_of
 from sits.runtime.clock import Clock, SystemClock
+from sits.runtime.contract import ActionKind
 from sits.runtime.events import Topics, seconds
 from sits.runtime.settings import CommandSigningSettings
 from sits.runtime.signing import Signer, file_signer
@@ -127,12 +128,12 @@ class DecisionHandler:
     async def publish(self, commands: list[PlannedCommand], *, wait: bool = True) -> None:
         deliveries: list[asyncio.Future[Any]] = []
         for command in commands:
-            metrics.COMMANDS.labels(kind=command.kind.value.lower(), rule=command.rule).inc()
+            metrics.COMMANDS.labels(kind=command.kind.name.lower(), rule=command.rule).inc()
             if command.reason != "controller renew: lower-tier budget renewed":
                 log.info(
                     "command %s %s for %s: %s",
                     command.command_id,
-                    command.kind.value,
+                    command.kind.name,
                     command.target.key,
                     command.reason,
                 )

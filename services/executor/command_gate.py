@@ -34,6 +34,7 @@ from redis.exceptions import RedisError
 from services.executor.adapters.redis_state import StateUnavailable
 from sits.runtime.bus import DeadLetter, ReceivedEvent
 from sits.runtime.clock import Clock
+from sits.runtime.contract import format_target_key
 from sits.runtime.events import seconds
 from sits.runtime.signing import SignatureError, Verifier
 from sits.v1 import events_pb2
@@ -63,8 +64,7 @@ def action_digest(command: events_pb2.HealingCommand) -> str:
     content.ClearField("meta")
     content.ClearField("deadline")
     content.reason = ""
-    target = command.meta.target
-    key = f"{target.host}/{target.gpu_uuid}/{target.mig_instance}/{target.engine}".encode()
+    key = format_target_key(command.meta.target).encode()
     return hashlib.sha256(key + b"\x00" + content.SerializeToString(deterministic=True)).hexdigest()
 
 

@@ -24,39 +24,8 @@ from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any
 
+from sits.runtime.contract import ALL_TIERS, ActionKind, Tier, action_kind_name
 from sits.v1 import common_pb2, events_pb2
-
-ActionKind = events_pb2.ActionKind
-
-
-class Tier(IntEnum):
-    """SITS priority tiers; a smaller value is more important (P0 highest)."""
-
-    P0 = 0
-    P1 = 1
-    P2 = 2
-
-    @classmethod
-    def from_proto(cls, priority: int) -> Tier:
-        if priority == common_pb2.PRIORITY_P0:
-            return cls.P0
-        if priority == common_pb2.PRIORITY_P1:
-            return cls.P1
-        if priority == common_pb2.PRIORITY_P2:
-            return cls.P2
-        raise ValueError(f"priority {priority} is not P0, P1 or P2")
-
-    def to_proto(self) -> common_pb2.Priority.ValueType:
-        return (common_pb2.PRIORITY_P0, common_pb2.PRIORITY_P1, common_pb2.PRIORITY_P2)[self]
-
-    @property
-    def mesh_name(self) -> str:
-        """The tier's name in the mesh (Envoy cluster suffix, runtime keys): p0, p1, p2."""
-        return self.name.lower()
-
-
-ALL_TIERS: tuple[Tier, ...] = (Tier.P0, Tier.P1, Tier.P2)
-
 
 # ---------------------------------------------------------------- engine limits
 
@@ -215,7 +184,7 @@ class BreakerRecord:
 
     def to_proto(self) -> events_pb2.BreakerSetting:
         return events_pb2.BreakerSetting(
-            priority=self.tier.to_proto(),
+            priority=common_pb2.Priority.ValueType(self.tier.to_proto()),
             state=events_pb2.BreakerState.ValueType(int(self.state)),
             max_requests=self.max_requests,
             ttl_seconds=self.ttl_s,
@@ -304,7 +273,10 @@ class TierBudgetRecord:
         return now < self.until
 
     def to_proto(self) -> list[events_pb2.TierLimit]:
-        return [events_pb2.TierLimit(priority=t.to_proto(), max_requests=n) for t, n in sorted(self.limits.items())]
+        return [
+            events_pb2.TierLimit(priority=common_pb2.Priority.ValueType(t.to_proto()), max_requests=n)
+            for t, n in sorted(self.limits.items())
+        ]
 
 
 def budget_limits(budget: events_pb2.TierBudget) -> dict[Tier, int]:
@@ -397,30 +369,31 @@ def direction(before: events_pb2.ActionState, after: events_pb2.ActionState) -> 
 # Kinds that change the engine's scheduler (need its control endpoint).
 ENGINE_KINDS = frozenset(
     {
-        ActionKind.ACTION_KIND_SET_ENGINE_LIMITS,
-        ActionKind.ACTION_KIND_PAUSE_ADMISSION,
-        ActionKind.ACTION_KIND_RESUME_ADMISSION,
+        ActionKind.SET_ENGINE_LIMITS,
+        ActionKind.PAUSE_ADMISSION,
+        ActionKind.RESUME_ADMISSION,
     }
 )
 _PARAMS_FOR_KIND: dict[int, str | None] = {
-    ActionKind.ACTION_KIND_SET_ENGINE_LIMITS: "engine_limits",
-    ActionKind.ACTION_KIND_SHED_PRIORITY: "breaker",
-    ActionKind.ACTION_KIND_SET_PRESSURE: "pressure",
-    ActionKind.ACTION_KIND_FLUSH_CACHE: None,
-    ActionKind.ACTION_KIND_ABORT_LOW_PRIORITY: "abort",
-    ActionKind.ACTION_KIND_PAUSE_ADMISSION: None,
-    ActionKind.ACTION_KIND_RESUME_ADMISSION: None,
-    ActionKind.ACTION_KIND_MIG_REBALANCE: "mig",
-    ActionKind.ACTION_KIND_ROLLBACK: "rollback",
-    ActionKind.ACTION_KIND_SET_TIER_BUDGET: "tier_budget",
+    ActionKind.SET_ENGINE_LIMITS: "engine_limits",
+    ActionKind.SHED_PRIORITY: "breaker",
+    ActionKind.SET_PRESSURE: "pressure",
+    ActionKind.FLUSH_CACHE: None,
+    ActionKind.ABORT_LOW_PRIORITY: "abort",
+    ActionKind.PAUSE_ADMISSION: None,
+    ActionKind.RESUME_ADMISSION: None,
+    ActionKind.MIG_REBALANCE: "mig",
+    ActionKind.ROLLBACK: "rollback",
+    ActionKind.SET_TIER_BUDGET: "tier_budget",
 }
 
 
+_TIER_PRIORITIES = frozenset(tier.to_proto() for tier in ALL_TIERS)
+
+
 def kind_name(kind: int) -> str:
-    try:
-        return str(events_pb2.ActionKind.Name(events_pb2.ActionKind.ValueType(kind)))
-    except ValueError:
-        return f"ACTION_KIND_{kind}"
+    """The kind as sits.v1 spells it, for messages an operator matches against the .proto."""
+    return f"ACTION_KIND_{action_kind_name(kind)}"
 
 
 def validate_command(
@@ -451,16 +424,16 @@ def validate_command(
     if expected is None and given is not None:
         reasons.append(f"{kind_name(kind)} takes no params, got {given}")
         return reasons
-    if kind == ActionKind.ACTION_KIND_SET_ENGINE_LIMITS:
+    if kind == ActionKind.SET_ENGINE_LIMITS:
         change = command.engine_limits
         if not change.ListFields():
             reasons.append("engine_limits sets no field")
         reasons.extend(limit_reasons(change, engine_info))
-    elif kind == ActionKind.ACTION_KIND_SET_TIER_BUDGET:
+    elif kind == ActionKind.SET_TIER_BUDGET:
         reasons.extend(budget_reasons(command.tier_budget, breaker_policy or BreakerPolicy()))
-    elif kind == ActionKind.ACTION_KIND_SHED_PRIORITY:
+    elif kind == ActionKind.SHED_PRIORITY:
         setting = command.breaker
-        if setting.priority not in (common_pb2.PRIORITY_P0, common_pb2.PRIORITY_P1, common_pb2.PRIORITY_P2):
+        if setting.priority not in _TIER_PRIORITIES:
             reasons.append("breaker.priority must be P0, P1 or P2")
         if setting.state not in (
             events_pb2.BREAKER_STATE_CLOSED,
@@ -472,21 +445,21 @@ def validate_command(
             reasons.append(f"breaker.max_requests must be >= 0, got {setting.max_requests}")
         if setting.ttl_seconds < 0:
             reasons.append(f"breaker.ttl_seconds must be >= 0, got {setting.ttl_seconds}")
-    elif kind == ActionKind.ACTION_KIND_SET_PRESSURE:
+    elif kind == ActionKind.SET_PRESSURE:
         if not (math.isfinite(command.pressure) and 0.0 <= command.pressure <= 1.0):
             reasons.append(f"pressure must be in [0, 1], got {command.pressure}")
-    elif kind == ActionKind.ACTION_KIND_ABORT_LOW_PRIORITY:
-        if command.abort.at_or_below not in (common_pb2.PRIORITY_P0, common_pb2.PRIORITY_P1, common_pb2.PRIORITY_P2):
+    elif kind == ActionKind.ABORT_LOW_PRIORITY:
+        if command.abort.at_or_below not in _TIER_PRIORITIES:
             reasons.append("abort.at_or_below must be P0, P1 or P2")
         if command.abort.max_streams < 1:
             reasons.append(f"abort.max_streams must be >= 1, got {command.abort.max_streams}")
-    elif kind == ActionKind.ACTION_KIND_MIG_REBALANCE:
+    elif kind == ActionKind.MIG_REBALANCE:
         if not command.mig.tenant_bytes:
             reasons.append("mig.tenant_bytes is empty")
         bad = [name for name, need in command.mig.tenant_bytes.items() if need <= 0]
         if bad:
             reasons.append(f"mig.tenant_bytes must be positive; not for {', '.join(sorted(bad))}")
-    elif kind == ActionKind.ACTION_KIND_ROLLBACK and not command.rollback.action_id:
+    elif kind == ActionKind.ROLLBACK and not command.rollback.action_id:
         reasons.append("rollback.action_id is empty")
     return reasons
 
@@ -503,9 +476,9 @@ def limits_after(
     kind: int, current: Limits, command: events_pb2.HealingCommand, running: int = 0, info: EngineInfo | None = None
 ) -> Limits:
     """The engine limits a limits/pause/resume command asks for; `running` resolves a cap factor."""
-    if kind == ActionKind.ACTION_KIND_PAUSE_ADMISSION:
+    if kind == ActionKind.PAUSE_ADMISSION:
         return replace(current, admission_paused=True)
-    if kind == ActionKind.ACTION_KIND_RESUME_ADMISSION:
+    if kind == ActionKind.RESUME_ADMISSION:
         return replace(current, admission_paused=False)
     change = command.engine_limits
     if change.restore_defaults:

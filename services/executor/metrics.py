@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge
 
 from services.executor import domain
+from sits.runtime.contract import ALL_TIERS, action_kind_name
 from sits.v1 import events_pb2
 
 ACTIONS = Counter("sits_actions_total", "Action results published, by action kind and status.", ["kind", "status"])
@@ -17,14 +18,14 @@ BREAKER_STATE = Gauge(
 
 def count_result(result: events_pb2.ActionResult) -> None:
     ACTIONS.labels(
-        kind=events_pb2.ActionKind.Name(result.kind).removeprefix("ACTION_KIND_").lower(),
+        kind=action_kind_name(result.kind).lower(),
         status=events_pb2.ActionStatus.Name(result.status).removeprefix("ACTION_STATUS_").lower(),
     ).inc()
 
 
 def export_breakers(engine: str, board: domain.BreakerBoard, now: float, policy: domain.BreakerPolicy) -> None:
     effective = board.effective(now, policy)
-    for tier in domain.ALL_TIERS:
+    for tier in ALL_TIERS:
         current = effective.get(tier, policy).state
         for state in domain.BreakerState:
             BREAKER_STATE.labels(engine=engine, priority=tier.name, state=state.name.lower()).set(

@@ -38,9 +38,10 @@ from services.executor.actions.tier_limits import budget_state
 from services.executor.adapters.engine import EngineRejected
 from services.executor.adapters.envoy import EnvoyAdmin
 from services.executor.adapters.redis_state import Lease, LeaseHeld, RedisState
-from services.executor.domain import ActionKind, BreakerPolicy, Tier
+from services.executor.domain import BreakerPolicy
 from sits.runtime.clock import Clock
-from sits.runtime.events import new_meta, target_key
+from sits.runtime.contract import ActionKind, Tier, format_target_key
+from sits.runtime.events import new_meta
 from sits.v1 import common_pb2, events_pb2
 
 log = logging.getLogger(__name__)
@@ -90,11 +91,11 @@ class Executor:
         reasons = domain.validate_command(command, self.targets.keys(), breaker_policy=self.policy)
         if reasons:
             raise InvalidCommand(reasons)
-        if command.kind == ActionKind.ACTION_KIND_ROLLBACK:
+        if int(command.kind) == ActionKind.ROLLBACK:
             return await self.rollback(command.rollback.action_id, command=command)
         target_name = command.meta.target.engine
         if engine_level and target_name in self.targets:
-            await self._remember_key(target_name, target_key(command.meta.target))
+            await self._remember_key(target_name, format_target_key(command.meta.target))
         if domain.is_stale(command, self.clock.now()):
             result = self.result_for(command, ActionStatus.ACTION_STATUS_SKIPPED_STALE, "deadline passed; not applied")
             await self.state.record(target_name, result, mark_applied=False)
@@ -131,7 +132,7 @@ class Executor:
         target_name = original.meta.target.engine
         rollback_command = events_pb2.HealingCommand(
             command_id=command.command_id if command is not None and command.command_id else f"rollback:{action_id}",
-            kind=ActionKind.ACTION_KIND_ROLLBACK,
+            kind=events_pb2.ActionKind.ValueType(ActionKind.ROLLBACK.to_proto()),
             reason=reason or (command.reason if command is not None else ""),
             target_memory_fraction=original.target_memory_fraction,
         )
@@ -324,9 +325,9 @@ class Executor:
                 meta=new_meta(SOURCE, common_pb2.Target(engine=target.name, gpu_uuid=target.gpu_uuid), now),
                 action_id=uuid.uuid4().hex,
                 command_id=command_id,
-                kind=ActionKind.ACTION_KIND_SET_TIER_BUDGET
-                if what == "budget"
-                else ActionKind.ACTION_KIND_SHED_PRIORITY,
+                kind=events_pb2.ActionKind.ValueType(
+                    (ActionKind.SET_TIER_BUDGET if what == "budget" else ActionKind.SHED_PRIORITY).to_proto()
+                ),
                 status=ActionStatus.ACTION_STATUS_EXPIRED,
                 detail=f"{what.replace(':', ' ')} ran out; Envoy's defaults restored",
             )

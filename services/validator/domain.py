@@ -31,23 +31,25 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from sits.runtime.contract import ActionKind
 from sits.runtime.promise import Promise
 
-DEFAULT_SETTLE_S: dict[str, float] = {
-    "SET_ENGINE_LIMITS": 5.0,
-    "SHED_PRIORITY": 5.0,
-    "SET_TIER_BUDGET": 5.0,
-    "SET_PRESSURE": 3.0,
-    "FLUSH_CACHE": 2.0,
-    "ABORT_LOW_PRIORITY": 3.0,
-    "PAUSE_ADMISSION": 3.0,
-    "RESUME_ADMISSION": 3.0,
-    "MIG_REBALANCE": 30.0,
+DEFAULT_SETTLE_S: dict[ActionKind, float] = {
+    ActionKind.SET_ENGINE_LIMITS: 5.0,
+    ActionKind.SHED_PRIORITY: 5.0,
+    ActionKind.SET_TIER_BUDGET: 5.0,
+    ActionKind.SET_PRESSURE: 3.0,
+    ActionKind.FLUSH_CACHE: 2.0,
+    ActionKind.ABORT_LOW_PRIORITY: 3.0,
+    ActionKind.PAUSE_ADMISSION: 3.0,
+    ActionKind.RESUME_ADMISSION: 3.0,
+    ActionKind.MIG_REBALANCE: 30.0,
 }
+FALLBACK_SETTLE_S = 5.0
 # Actions that are not themselves validated: a rollback restores a state already judged.
-NOT_VALIDATED = frozenset({"ROLLBACK"})
+NOT_VALIDATED = frozenset({ActionKind.ROLLBACK})
 # Kinds whose effect cannot be put back: their verdict is "effect observed", never a rollback.
-NOT_UNDOABLE = frozenset({"FLUSH_CACHE", "ABORT_LOW_PRIORITY"})
+NOT_UNDOABLE = frozenset({ActionKind.FLUSH_CACHE, ActionKind.ABORT_LOW_PRIORITY})
 
 
 class Outcome(enum.Enum):
@@ -86,6 +88,7 @@ class PendingAction:
     action_id: str
     command_id: str
     target_key: str
+    # An ActionKind's name (the pending action is kept in Redis as JSON).
     kind: str
     applied_at: float
     settle_until: float
@@ -129,8 +132,12 @@ class Probed:
 def settle_seconds(kind: str, promise: Promise | None = None, overrides: dict[str, float] | None = None) -> float:
     if promise is not None and promise.settle_s > 0:
         return promise.settle_s
-    table = {**DEFAULT_SETTLE_S, **(overrides or {})}
-    return table.get(kind, 5.0)
+    if overrides and kind in overrides:
+        return overrides[kind]
+    try:
+        return DEFAULT_SETTLE_S.get(ActionKind.parse(kind), FALLBACK_SETTLE_S)
+    except ValueError:
+        return FALLBACK_SETTLE_S
 
 
 class Validator:
@@ -249,7 +256,7 @@ class Validator:
             return Judgement(Outcome.INCONCLUSIVE, tuple(checks))
         if all(c.passed for c in checks):
             return Judgement(Outcome.CONFIRMED, tuple(checks))
-        undoable = pending.kind not in NOT_UNDOABLE
+        undoable = pending.kind not in {k.name for k in NOT_UNDOABLE}
         if undoable and pending.direction == Direction.LOOSEN.value:
             return Judgement(Outcome.ROLLED_BACK, tuple(checks))
         return Judgement(Outcome.NOT_KEPT, tuple(checks))

@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 
 from services.validator.audit import AuditStore
-from sits.runtime.events import target_key
+from sits.runtime.contract import format_target_key
 from sits.runtime.fanout import Fanout, SubscriberTooSlow
 from sits.runtime.grpcserver import abort_invalid
 from sits.v1 import events_pb2, validator_pb2, validator_pb2_grpc
@@ -43,7 +43,7 @@ class ValidatorApi(validator_pb2_grpc.ValidatorServicer):
         if request.verdict not in events_pb2.Verdict.values():
             await abort_invalid(context, f"unknown verdict value {request.verdict}")
         verdicts = await self._audit.list_verdicts(
-            target_key=target_key(request.target) if request.HasField("target") else None,
+            target_key=format_target_key(request.target) if request.HasField("target") else None,
             outcome=request.verdict or None,
             limit=request.limit or 100,
         )
@@ -52,7 +52,7 @@ class ValidatorApi(validator_pb2_grpc.ValidatorServicer):
     async def StreamVerdicts(
         self, request: validator_pb2.StreamVerdictsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[events_pb2.ValidationVerdict]:
-        wanted = target_key(request.target) if request.HasField("target") else None
+        wanted = format_target_key(request.target) if request.HasField("target") else None
         subscription = self._live.subscribe(lambda item: wanted is None or item[0] == wanted)
         try:
             async for _key, verdict in subscription:

@@ -22,14 +22,12 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from sits.runtime.contract import parse_target_key
+
 log = logging.getLogger(__name__)
 
 ENVOY_P0_OVERFLOW = ("envoy_cluster_upstream_rq_pending_overflow", "envoy_cluster_name")
 ADMISSION_P0_REFUSED = ("sits_shed_requests", "priority")
-
-
-def engine_of(target_key: str) -> str:
-    return target_key.rsplit("/", 1)[-1]
 
 
 def sum_counter(text: str, name: str, label: str, value: str) -> float:
@@ -66,7 +64,10 @@ class LiveProbes:
         self._channels.clear()
 
     async def engine_healthy(self, target_key: str) -> bool | None:
-        address = self._engines.get(engine_of(target_key))
+        try:
+            address = self._engines.get(parse_target_key(target_key).engine)
+        except ValueError:
+            address = None
         if address is None:
             return None
         if address.startswith(("http://", "https://")):

@@ -33,6 +33,7 @@ from services.validator.domain import (
 )
 from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, partition_of
 from sits.runtime.clock import Clock
+from sits.runtime.contract import ActionKind, action_kind_name, parse_target_key
 from sits.runtime.events import Topics, header_value, new_meta, seconds
 from sits.runtime.fanout import Fanout
 from sits.runtime.promise import promise_from_pb
@@ -117,8 +118,8 @@ class ValidatorService:
             await self._watch(event, message)
 
     async def _watch(self, event: ReceivedEvent, result: events_pb2.ActionResult) -> None:
-        kind = events_pb2.ActionKind.Name(result.kind).removeprefix("ACTION_KIND_")
-        if result.status != events_pb2.ACTION_STATUS_APPLIED or kind in NOT_VALIDATED:
+        kind = action_kind_name(result.kind)
+        if result.status != events_pb2.ACTION_STATUS_APPLIED or int(result.kind) in NOT_VALIDATED:
             return
         self._targets[event.key] = result.meta.target
         if await self._audit.verdict_for_action(result.action_id) is not None:
@@ -173,7 +174,7 @@ class ValidatorService:
             command_id=pending.command_id,
             verdict=events_pb2.Verdict.Value(f"VERDICT_{judgement.outcome.value}"),
             trace_id=current_trace_id(),
-            kind=events_pb2.ActionKind.Value(f"ACTION_KIND_{pending.kind}"),
+            kind=events_pb2.ActionKind.ValueType(ActionKind.parse(pending.kind).to_proto()),
             direction=events_pb2.ChangeDirection.Value(f"CHANGE_DIRECTION_{pending.direction}"),
         )
         verdict.settled_at.FromNanoseconds(int(now * 1e9))
@@ -217,7 +218,7 @@ class ValidatorService:
             rollback = events_pb2.HealingCommand(
                 meta=new_meta(self._source, target, now),
                 command_id=f"rollback-{pending.action_id}",
-                kind=events_pb2.ACTION_KIND_ROLLBACK,
+                kind=events_pb2.ActionKind.ValueType(ActionKind.ROLLBACK.to_proto()),
                 reason="validation failed: " + "; ".join(c.detail for c in judgement.checks if not c.passed),
                 cause_event_id=pending.action_id,
             )
@@ -250,8 +251,12 @@ def engine_observation(engine: events_pb2.EngineLoad, at: float) -> EngineObserv
 
 
 def _target_from_key(key: str) -> common_pb2.Target:
-    host, gpu, mig, engine = [*key.split("/"), "", "", ""][:4]
-    return common_pb2.Target(host=host, gpu_uuid=gpu, mig_instance=mig, engine=engine)
+    try:
+        return common_pb2.Target(**parse_target_key(key)._asdict())
+    except ValueError:
+        # A key from an older writer: keep what it names rather than lose the verdict.
+        host, gpu, mig = [*key.split("/"), "", ""][:3]
+        return common_pb2.Target(host=host, gpu_uuid=gpu, mig_instance=mig)
 
 
 class PendingMoves:

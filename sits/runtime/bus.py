@@ -50,6 +50,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from sits.runtime import metrics
+from sits.runtime.contract import format_target_key
 from sits.runtime.events import (
     DLQ_REASON_HEADER,
     EnvelopeError,
@@ -58,7 +59,6 @@ from sits.runtime.events import (
     decode_events,
     header_value,
     meta_of,
-    target_key,
 )
 from sits.runtime.kafka_security import kafka_client_options
 from sits.runtime.settings import Settings
@@ -176,7 +176,7 @@ class EventProducer:
         record would cost more than the rest of publishing.
         """
         meta = meta_of(message)
-        key = target_key(meta.target)
+        key = format_target_key(meta.target)
         partition = await self._partition(topic, key)
         value = message.SerializeToString()
         key_bytes = key.encode()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from sits.runtime.contract import ALL_TIERS, LOWEST_TIER, Tier
+
 SERVICE = "sits.executor.EngineControl"
 GET_STATE = f"/{SERVICE}/GetState"
 SET_LIMITS = f"/{SERVICE}/SetLimits"
@@ -44,22 +46,16 @@ def decode(data: bytes) -> dict[str, Any]:
     return value
 
 
-PRIORITY_PREFIXES = {"p0": 0, "p1": 1, "p2": 2}
-LOWEST_TIER = 2
-# The header Envoy routes by and, on every route, overwrites with the tier it routed the request as
-# (sits_mesh.envoy_config): behind the mesh its value is the routed tier, never the client's claim.
-TIER_HEADER = "x-sits-priority"
-
-
 # vLLM's OpenAI server names a request "cmpl-<X-Request-Id>..." or "chatcmpl-<X-Request-Id>..."; the SITS
 # OpenAI launcher (`vllm_plugin.openai_launcher`) writes the tier into X-Request-Id, so it follows these.
 OPENAI_ID_PREFIXES = ("chatcmpl-", "cmpl-")
+_TIERS_BY_NAME = {tier.mesh_name: int(tier) for tier in ALL_TIERS}
 
 
 def _leading_tier(request_id: str) -> int | None:
     prefix = request_id[:3].lower()
-    if len(prefix) == 3 and prefix[2] in "-_:" and prefix[:2] in PRIORITY_PREFIXES:
-        return PRIORITY_PREFIXES[prefix[:2]]
+    if len(prefix) == 3 and prefix[2] in "-_:" and prefix[:2] in _TIERS_BY_NAME:
+        return _TIERS_BY_NAME[prefix[:2]]
     return None
 
 
@@ -81,16 +77,14 @@ def priority_tier_of_request_id(request_id: str) -> int:
     and counts as the lowest tier.
     """
     tier = _tier_prefix(request_id)
-    return LOWEST_TIER if tier is None else tier
+    return int(LOWEST_TIER) if tier is None else tier
 
 
 def retag_request_id(request_id: str, tier_name: str) -> str:
     """`request_id` carrying `tier_name` ("p0".."p2", any case) instead of whatever tier it named."""
-    tier = tier_name.strip().lower()
-    if tier not in PRIORITY_PREFIXES:
-        raise ValueError(f"unknown tier {tier_name!r}")
+    tier = Tier.parse(tier_name)
     bare = request_id[3:] if _leading_tier(request_id) is not None else request_id
-    return f"{tier}-{bare}"
+    return f"{tier.mesh_name}-{bare}"
 
 
 class LimitError(ValueError):

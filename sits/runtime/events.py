@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from google.protobuf import timestamp_pb2
 from google.protobuf.message import DecodeError, Message
 
+from sits.runtime.contract import format_target_key
 from sits.v1 import common_pb2, events_pb2
 
 SPEC_VERSION = "1.0"
@@ -82,11 +83,6 @@ class EnvelopeError(ValueError):
         self.category = category
 
 
-def target_key(target: common_pb2.Target) -> str:
-    """The record key: one consumer owns one target's order."""
-    return f"{target.host}/{target.gpu_uuid}/{target.mig_instance}/{target.engine}"
-
-
 def meta_of(message: Message) -> common_pb2.EventMeta:
     meta = getattr(message, "meta", None)
     if not isinstance(meta, common_pb2.EventMeta):
@@ -118,7 +114,7 @@ def cloudevent_headers(message: Message, key: str | None = None) -> list[tuple[s
         ("ce_type", message.DESCRIPTOR.full_name.encode()),
         ("ce_source", (meta.source or "sits").encode()),
         ("ce_time", rfc3339(produced).encode()),
-        ("ce_subject", (key if key is not None else target_key(meta.target)).encode()),
+        ("ce_subject", (key if key is not None else format_target_key(meta.target)).encode()),
         _CONTENT_TYPE_HEADER,
     ]
 
@@ -179,8 +175,8 @@ def decode_events(
         if sample.meta.target != target:
             raise EnvelopeError(
                 "undecodable",
-                f"MetricBatch sample {index} is for {target_key(sample.meta.target)!r}, "
-                f"the batch for {target_key(target)!r}",
+                f"MetricBatch sample {index} is for {format_target_key(sample.meta.target)!r}, "
+                f"the batch for {format_target_key(target)!r}",
             )
     return list(message.samples)
 
@@ -205,15 +201,6 @@ def new_meta(source: str, target: common_pb2.Target, now: float) -> common_pb2.E
 
 def new_id() -> str:
     return uuid.uuid4().hex
-
-
-def memory_fraction(sample: events_pb2.MetricSample) -> float | None:
-    """How full the target is: device memory when NVML measured it, else the engine's KV cache."""
-    if sample.HasField("gpu") and sample.gpu.total_bytes > 0:
-        return sample.gpu.used_bytes / sample.gpu.total_bytes
-    if sample.HasField("engine"):
-        return sample.engine.kv_cache_usage
-    return None
 
 
 def seconds(timestamp: timestamp_pb2.Timestamp) -> float:

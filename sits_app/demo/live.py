@@ -10,6 +10,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from sits.runtime.contract import ALL_TIERS
 from sits_app.demo.timeline import Timeline, percentile
 
 WINDOW_S = 10.0
@@ -80,7 +81,7 @@ def render(timeline: Timeline, phase: str, load_rps: float, in_flight: int, obje
     for column in ("priority", "served", "refused", "TTFT p50", "TTFT p99"):
         latency.add_column(column)
     recent_mono = time.monotonic() - timeline.started_mono - WINDOW_S
-    for priority in ("P0", "P1", "P2"):
+    for priority in (tier.name for tier in ALL_TIERS):
         recent = [r for r in timeline.requests if r.priority == priority and r.t >= recent_mono]
         ttfts = [r.ttft_s for r in recent if r.ttft_s is not None]
         latency.add_row(

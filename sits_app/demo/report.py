@@ -24,6 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from sits.runtime.contract import ALL_TIERS
 from sits_app.demo.timeline import Timeline, oscillations, percentile
 
 COLORS = {"P0": "#1b7837", "P1": "#4393c3", "P2": "#d6604d"}
@@ -66,7 +67,7 @@ def summarize(
     timeline: Timeline, since: float = 0.0, until: float = float("inf"), path: str | None = None
 ) -> list[PrioritySummary]:
     out = []
-    for priority in ("P0", "P1", "P2"):
+    for priority in (tier.name for tier in ALL_TIERS):
         reqs = [
             r
             for r in timeline.requests
@@ -191,7 +192,7 @@ def plot_timeline(
         ax_budget.legend(loc="upper right", fontsize=8)
     ax_wait.legend(loc="upper left", fontsize=8)
 
-    for priority in ("P0", "P1", "P2"):
+    for priority in (tier.name for tier in ALL_TIERS):
         pts = [(r.t, r.ttft_s * 1000) for r in timeline.requests if r.priority == priority and r.ttft_s is not None]
         if pts:
             ax_ttft.scatter(

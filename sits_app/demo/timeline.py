@@ -16,7 +16,8 @@ from pathlib import Path
 
 from google.protobuf.message import Message
 
-from sits.runtime.events import memory_fraction, seconds
+from sits.runtime.contract import action_kind_name, memory_fraction
+from sits.runtime.events import seconds
 from sits.v1 import common_pb2, events_pb2
 from sits_app.demo.load import RequestOutcome
 
@@ -129,7 +130,7 @@ class Timeline:
                     self.rel(seconds(message.meta.produced_at)),
                     _target(message.meta.target),
                     message.action_id,
-                    events_pb2.ActionKind.Name(message.kind).removeprefix("ACTION_KIND_"),
+                    action_kind_name(message.kind),
                     events_pb2.ActionStatus.Name(message.status).removeprefix("ACTION_STATUS_"),
                     message.detail,
                     self.commands.get(message.command_id, ""),
@@ -145,7 +146,7 @@ class Timeline:
                     message.action_id,
                     events_pb2.Verdict.Name(message.verdict).removeprefix("VERDICT_"),
                     "; ".join(f"{c.name}={'ok' if c.passed else 'FAILED'}: {c.detail}" for c in message.checks),
-                    events_pb2.ActionKind.Name(message.kind).removeprefix("ACTION_KIND_"),
+                    action_kind_name(message.kind),
                 )
             )
 

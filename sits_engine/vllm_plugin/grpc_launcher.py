@@ -29,7 +29,8 @@ from typing import Any
 
 import grpc
 
-from sits.runtime.engine_control import TIER_HEADER, retag_request_id
+from sits.runtime.contract import TIER_HEADER
+from sits.runtime.engine_control import retag_request_id
 
 log = logging.getLogger("sits.grpc_launcher")
 

@@ -27,7 +27,8 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from sits.runtime.engine_control import TIER_HEADER, retag_request_id
+from sits.runtime.contract import TIER_HEADER
+from sits.runtime.engine_control import retag_request_id
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -79,9 +79,10 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from sits.runtime import engine_control as protocol
+from sits.runtime.contract import ALL_TIERS
 from sits.runtime.engine_control import LimitError
 from sits_engine.vllm_plugin.environment import ENGINE_CONTROL_ADDR, ENGINE_EMPTY_CACHE_AT_START
-from sits_engine.vllm_plugin.tier_stats import TIERS, TierStats
+from sits_engine.vllm_plugin.tier_stats import TierStats
 
 logger = logging.getLogger("sits.scheduler")
 
@@ -406,7 +407,7 @@ class SitsScheduler(Scheduler):
     def _tiers_locked(self) -> dict[str, dict[str, float]]:
         now = time.time()
         tiers = {tier: {**stats} for tier, stats in self._tier_stats.snapshot(now).items()}
-        for tier in TIERS:
+        for tier in ALL_TIERS:
             tiers[tier].update(running=0.0, waiting=0.0, oldest_wait_s=0.0, kv_blocks=0.0)
         block = max(1, int(self.block_size))
         for request in self.running:

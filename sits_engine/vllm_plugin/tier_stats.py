@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-TIERS = (0, 1, 2)
+from sits.runtime.contract import ALL_TIERS
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -44,7 +44,7 @@ class TierStats:
     _tiers: dict[int, _TierCounters] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._tiers = {tier: _TierCounters(deque(maxlen=self.max_samples)) for tier in TIERS}
+        self._tiers = {int(tier): _TierCounters(deque(maxlen=self.max_samples)) for tier in ALL_TIERS}
 
     def first_scheduled(self, tier: int, now: float, arrival: float) -> None:
         counters = self._tiers[tier]

@@ -9,14 +9,13 @@ from services.decision.domain.engine import DecisionEngine
 from services.decision.domain.kv_model import known_model
 from services.decision.domain.policy import Policy, parse_policy
 from services.decision.domain.types import (
-    ActionKind,
     EngineLoad,
     OomEvent,
     PlannedCommand,
-    Priority,
     RootCauseKind,
 )
 from sits.runtime.clock import ManualClock
+from sits.runtime.contract import ActionKind, Tier
 from tests.decision.decision_builders import GIB, TARGET, TOTAL, make_sample
 
 
@@ -161,14 +160,14 @@ def test_admit_refuses_what_does_not_fit_and_says_why(policy: Policy, clock: Man
     # 200 free blocks of 16 tokens; the default policy reserves 10% of the cache (100 blocks) for P0.
     load = EngineLoad(kv_cache_usage=0.8, kv_blocks_total=1000, kv_blocks_used=800, block_size=16)
     engine.observe(make_sample(1.0, 0.7, engine=load))
-    fits = engine.admit(TARGET, prompt_tokens=1000, max_tokens=200, priority=Priority.P1)
+    fits = engine.admit(TARGET, prompt_tokens=1000, max_tokens=200, priority=Tier.P1)
     assert fits.admitted and fits.kv_bytes_needed == 1200 * 131072
     refused = engine.admit(TARGET, prompt_tokens=1500, max_tokens=200)
     assert not refused.admitted
     assert "GiB of KV" in refused.reason and "reserved for P0" in refused.reason
     assert refused.kv_bytes_free == 200 * 16 * 131072
     # The same request at P0 may use the reserve: it fits.
-    assert engine.admit(TARGET, prompt_tokens=1500, max_tokens=200, priority=Priority.P0).admitted
+    assert engine.admit(TARGET, prompt_tokens=1500, max_tokens=200, priority=Tier.P0).admitted
     too_long = engine.admit(TARGET, prompt_tokens=40000, max_tokens=1)
     assert not too_long.admitted and "max model length" in too_long.reason
 
@@ -193,13 +192,13 @@ def test_prompt_logprobs_are_refused_when_one_chunks_logits_would_not_fit_the_de
     engine.observe(make_sample(1.0, 0.9, engine=load, allocator=allocator))
     per_token = shape.vocab_size * (2 + 4 + 4)
     # 1024-token chunks of a 128k vocabulary: 1.22 GiB of logits against 1 GiB of headroom. Refused at any tier.
-    refused = engine.admit(TARGET, prompt_tokens=8000, max_tokens=10, priority=Priority.P0, prompt_logprobs=5)
+    refused = engine.admit(TARGET, prompt_tokens=8000, max_tokens=10, priority=Tier.P0, prompt_logprobs=5)
     assert not refused.admitted
     assert "prompt_logprobs over a 1024-token prefill chunk" in refused.reason and "1.00 GiB left" in refused.reason
     # The same prompt without prompt_logprobs fits, and a prompt short enough for its logits to fit passes too.
-    assert engine.admit(TARGET, prompt_tokens=8000, max_tokens=10, priority=Priority.P0).admitted
+    assert engine.admit(TARGET, prompt_tokens=8000, max_tokens=10, priority=Tier.P0).admitted
     short = GIB // per_token
-    assert engine.admit(TARGET, prompt_tokens=short, max_tokens=10, priority=Priority.P0, prompt_logprobs=-1).admitted
+    assert engine.admit(TARGET, prompt_tokens=short, max_tokens=10, priority=Tier.P0, prompt_logprobs=-1).admitted
     assert not engine.admit(TARGET, prompt_tokens=short + 1, max_tokens=10, prompt_logprobs=1).admitted
     with pytest.raises(ValueError, match="prompt_logprobs"):
         engine.admit(TARGET, prompt_tokens=10, max_tokens=10, prompt_logprobs=-2)
@@ -216,9 +215,9 @@ def test_prompt_logprobs_without_device_figures_fall_back_to_nvml_or_pass(policy
     assert engine.admit(TARGET, prompt_tokens=30_000, max_tokens=1, prompt_logprobs=1).admitted
     # NVML's free memory only (no allocator figures): 0.5% of 140 GiB (0.7 GiB) free, short of 1.22 GiB of logits.
     engine.observe(make_sample(1.0, 0.995))
-    refused = engine.admit(TARGET, prompt_tokens=30_000, max_tokens=1, priority=Priority.P0, prompt_logprobs=1)
+    refused = engine.admit(TARGET, prompt_tokens=30_000, max_tokens=1, priority=Tier.P0, prompt_logprobs=1)
     assert not refused.admitted and "1024-token prefill chunk" in refused.reason
-    assert engine.admit(TARGET, prompt_tokens=30_000, max_tokens=1, priority=Priority.P0).admitted
+    assert engine.admit(TARGET, prompt_tokens=30_000, max_tokens=1, priority=Tier.P0).admitted
 
 
 def test_explain_and_evaluate(engine: DecisionEngine, clock: ManualClock) -> None:

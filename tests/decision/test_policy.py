@@ -1,6 +1,9 @@
+from typing import get_args
+
 import pytest
 
-from services.decision.domain.policy import PolicyError, parse_policy
+from services.decision.domain.policy import PolicyError, TierName, parse_policy
+from sits.runtime.contract import ALL_TIERS
 from tests.decision.decision_builders import DEFAULT_POLICY
 
 GOOD_RULE = """\
@@ -110,3 +113,7 @@ def test_controller_settings_are_validated_with_a_reason() -> None:
     assert field == "controller.p1_share" and "less than or equal to 1" in message
     [(field, _, _)] = _problems("controller:\n  tick: 1\n" + GOOD_RULE)
     assert field == "controller.tick"
+
+
+def test_policy_tier_names_are_the_contract_tiers() -> None:
+    assert get_args(TierName) == tuple(tier.name for tier in ALL_TIERS)

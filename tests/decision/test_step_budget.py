@@ -12,7 +12,6 @@ from services.decision.domain.kv_model import known_model
 from services.decision.domain.policy import PolicyError, parse_policy
 from services.decision.domain.step_budget import StepBudgetTerms, step_memory
 from services.decision.domain.types import (
-    ActionKind,
     AllocatorStats,
     EngineLoad,
     GpuMemory,
@@ -20,6 +19,7 @@ from services.decision.domain.types import (
     Sample,
 )
 from sits.runtime.clock import ManualClock
+from sits.runtime.contract import ActionKind
 from tests.decision.decision_builders import GIB, TARGET, TOTAL
 
 MIB = 1 << 20

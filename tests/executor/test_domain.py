@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 
 from services.executor import domain
-from services.executor.domain import BreakerPolicy, BreakerState, Limits, Tier
+from services.executor.domain import BreakerPolicy, BreakerState, Limits
 from sits.runtime.clock import ManualClock
+from sits.runtime.contract import Tier
 from sits.runtime.engine_control import priority_tier_of_request_id
 from sits.v1 import common_pb2, events_pb2
 

@@ -12,9 +12,10 @@ import pytest
 from services.executor.adapters.engine import EngineControlClient
 from services.executor.adapters.envoy import EnvoyAdmin
 from services.executor.adapters.redis_state import RedisState, StateUnavailable
-from services.executor.domain import Limits, Tier
+from services.executor.domain import Limits
 from services.executor.grpc_api import MUTATING_METHODS, SERVICE_NAME, ExecutorServicer
 from services.executor.service import InvalidCommand
+from sits.runtime.contract import Tier
 from sits.runtime.grpcserver import GrpcServer, ServiceBinding, bearer_metadata
 from sits.runtime.redis import connect
 from sits.v1 import common_pb2, events_pb2, executor_pb2, executor_pb2_grpc

@@ -13,7 +13,8 @@ import pytest
 
 from bench.reliability_harness import read_topics
 from sits.runtime.bus import partition_of
-from sits.runtime.events import Topics, target_key
+from sits.runtime.contract import format_target_key
+from sits.runtime.events import Topics
 from sits.runtime.settings import Settings
 from sits.v1 import events_pb2
 from sits_app.fleet.sim import Fleet, load_frames, trace_paths
@@ -42,19 +43,19 @@ def test_the_fleet_mixes_every_trace_shifted_per_target(frames: list) -> None:
     for step in range(3):
         fleet.tick(sink, step, 1_000_000.0 + step / 10)  # type: ignore[arg-type]
     assert len(sink.samples) == 3 * 260
-    keys = Counter(target_key(s.meta.target) for s in sink.samples)
+    keys = Counter(format_target_key(s.meta.target) for s in sink.samples)
     assert len(keys) == 260 and set(keys.values()) == {3}
     # Each target numbers its own samples; every event is its own.
     per_target: dict[str, list[int]] = {}
     for s in sink.samples:
-        per_target.setdefault(target_key(s.meta.target), []).append(s.sequence)
+        per_target.setdefault(format_target_key(s.meta.target), []).append(s.sequence)
     assert all(seqs == [1, 2, 3] for seqs in per_target.values())
     assert len({s.meta.event_id for s in sink.samples}) == len(sink.samples)
     # Shifted: the targets replaying one trace are not in lockstep.
     same_trace = [t for t in fleet.targets if t.trace is fleet.targets[0].trace]
     assert len(same_trace) > 20 and len({t.offset for t in same_trace}) > len(same_trace) // 2
-    first = {target_key(s.meta.target): s for s in sink.samples[: len(fleet.targets)]}
-    frames_used = {first[target_key(t.target)].gpu.used_bytes for t in same_trace}
+    first = {format_target_key(s.meta.target): s for s in sink.samples[: len(fleet.targets)]}
+    frames_used = {first[format_target_key(t.target)].gpu.used_bytes for t in same_trace}
     assert len(frames_used) > 1, "the targets of one trace show different moments of it"
     # Mostly calm, with some in an incident (about the default 10%), several of those running out.
     assert 0 < fleet.heading_to_oom() <= fleet.in_incident() and 10 <= fleet.in_incident() <= 50
@@ -84,7 +85,7 @@ def test_sits_fleet_publishes_through_capture_into_the_broker(broker: TansuBroke
     topics = Topics(topic_prefix)
     records = asyncio.run(read_topics(Settings(kafka_bootstrap=broker.bootstrap).kafka_bootstrap, [topics.metrics]))
     samples = [m for r in records[topics.metrics] for m in r.events() if isinstance(m, events_pb2.MetricSample)]
-    targets = {target_key(s.meta.target) for s in samples}
+    targets = {format_target_key(s.meta.target) for s in samples}
     assert len(targets) == 40
     # About 5 Hz for 4 s per target (a loaded machine may skip ticks, never add them).
     assert 40 * 5 <= len(samples) <= 40 * 5 * 6

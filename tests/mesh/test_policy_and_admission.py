@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from smg_grpc_proto import vllm_engine_pb2
 
 from sits.runtime.clock import ManualClock
+from sits.runtime.contract import ALL_TIERS
 from sits_mesh.admission import (
     AdmissionQuery,
     NotAGenerateRequest,
@@ -23,11 +25,24 @@ from sits_mesh.admission import (
     shed_reason,
 )
 from sits_mesh.ext_proc import FilePressure
-from sits_mesh.policy import Admission, MeshPolicy, PolicyError, Priorities, load_policy, parse_policy
+from sits_mesh.policy import (
+    PRIORITY_NAMES,
+    Admission,
+    MeshPolicy,
+    PolicyError,
+    Priorities,
+    PriorityName,
+    load_policy,
+    parse_policy,
+)
 from sits_mesh.pressure import read_pressure, write_pressure
 from tests.mesh.helpers import generate_request, grpc_frame
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_mesh_names_the_contract_tiers() -> None:
+    assert get_args(PriorityName) == PRIORITY_NAMES == tuple(tier.mesh_name for tier in ALL_TIERS)
 
 
 def test_the_default_policy_file_validates() -> None:

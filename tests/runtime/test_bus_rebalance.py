@@ -13,7 +13,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics, partition_of
-from sits.runtime.events import Topics, target_key
+from sits.runtime.contract import format_target_key
+from sits.runtime.events import Topics
 from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.settings import Settings
 from sits.v1 import common_pb2
@@ -27,7 +28,7 @@ def engines_on_each_partition() -> list[str]:
     """One engine name per partition, so both partitions get records."""
     found: dict[int, str] = {}
     for i in range(100):
-        key = target_key(common_pb2.Target(host="h", gpu_uuid="GPU-1", engine=f"vllm-{i}"))
+        key = format_target_key(common_pb2.Target(host="h", gpu_uuid="GPU-1", engine=f"vllm-{i}"))
         found.setdefault(partition_of(key, PARTITIONS), f"vllm-{i}")
     return [found[p] for p in range(PARTITIONS)]
 

@@ -24,7 +24,8 @@ from aiokafka import AIOKafkaProducer
 from services.executor.main import serve
 from services.executor.settings import EngineEndpoints, ExecutorSettings
 from sits.runtime.bus import EventProducer, ensure_topics
-from sits.runtime.events import Topics, cloudevent_headers, new_meta, target_key
+from sits.runtime.contract import format_target_key
+from sits.runtime.events import Topics, cloudevent_headers, new_meta
 from sits.runtime.kafka_security import kafka_client_options
 from sits.runtime.redis import connect
 from sits.runtime.settings import Settings
@@ -176,7 +177,7 @@ async def test_forged_records_are_dead_lettered_with_their_reason_and_change_not
             await unknown.publish(x.topics.commands, forged["unknown_key"])
         # Signed, then changed on the way: the value no longer matches the signature.
         original = x.command(0.35)
-        key = target_key(original.meta.target)
+        key = format_target_key(original.meta.target)
         headers = cloudevent_headers(original, key) + Signer([SIGNING_KEY]).headers(
             key.encode(), original.SerializeToString()
         )

@@ -13,13 +13,14 @@ from services.validator.domain import Validator
 from services.validator.service import ValidatorService
 from sits.runtime.bus import EventProducer, ReceivedEvent, ensure_topics
 from sits.runtime.clock import ManualClock
-from sits.runtime.events import Topics, target_key
+from sits.runtime.contract import format_target_key
+from sits.runtime.events import Topics
 from sits.runtime.settings import Settings
 from sits.v1 import events_pb2
 from tests.runtime.test_bus import read_all
 from tests.validator.test_service import TARGET, result
 
-KEY = target_key(TARGET)
+KEY = format_target_key(TARGET)
 
 
 def replica(

@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass
 
 from services.decision.domain.kv_model import ModelShape
-from services.decision.domain.types import AllocatorStats, EngineLoad, GpuMemory, Priority
+from services.decision.domain.types import AllocatorStats, EngineLoad, GpuMemory
+from sits.runtime.contract import Tier
 
 GIB = 1024**3
 MAX_REQUEST_TOKENS = 100_000_000
@@ -92,7 +93,7 @@ def _prompt_logprobs_refusal(
 def decide(
     prompt_tokens: int,
     max_tokens: int,
-    priority: Priority,
+    priority: Tier | None,
     engine: EngineLoad | None,
     profile: EngineProfile | None,
     memory_at_limit: bool,
@@ -114,7 +115,7 @@ def decide(
     tokens = prompt_tokens + max_tokens
     per_token = profile.kv_bytes_per_token if profile is not None else 0
     needed = tokens * per_token
-    is_p0 = priority == Priority.P0
+    is_p0 = priority is Tier.P0
     if profile is not None and profile.max_model_len is not None and tokens > profile.max_model_len:
         return AdmitDecision(
             False,

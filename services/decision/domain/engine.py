@@ -38,12 +38,10 @@ from services.decision.domain.root_cause import classify
 from services.decision.domain.step_budget import StepBudgetTerms, StepMemory, step_memory
 from services.decision.domain.types import (
     NO_ROOT_CAUSE,
-    ActionKind,
     Evidence,
     Forecast,
     OomEvent,
     PlannedCommand,
-    Priority,
     RootCause,
     RootCauseKind,
     Sample,
@@ -51,6 +49,7 @@ from services.decision.domain.types import (
 )
 from services.decision.domain.window import DropCounter, DropReason, TargetWindow
 from sits.runtime.clock import Clock
+from sits.runtime.contract import ActionKind, Tier
 from sits.runtime.promise import Promise
 
 COMMAND_NAMESPACE = uuid.UUID("5e1c7a2e-0d6f-4b0e-9a55-3f1f6a1c0b7e")
@@ -499,11 +498,9 @@ class DecisionEngine:
         evidence, reason = self._evidence(state, rule, oom, clearing, step)
         planned = []
         for action, target in zip(actions, targets, strict=True):
-            kind = ActionKind(action.kind)
+            kind = ActionKind.parse(action.kind)
             command_id = str(
-                uuid.uuid5(
-                    COMMAND_NAMESPACE, f"{target.key}|{rule.name}|{kind.value}|{cause_event_id}|{t!r}|{clearing}"
-                )
+                uuid.uuid5(COMMAND_NAMESPACE, f"{target.key}|{rule.name}|{kind.name}|{cause_event_id}|{t!r}|{clearing}")
             )
             params = self._params(state, action, step)
             self._remember(command_id, _Issued(state.target.key, rule.name, clearing, controller=False))
@@ -798,7 +795,7 @@ class DecisionEngine:
         target: Target,
         prompt_tokens: int,
         max_tokens: int,
-        priority: Priority = Priority.UNSPECIFIED,
+        priority: Tier | None = None,
         prompt_logprobs: int = 0,
     ) -> AdmitDecision:
         state = self._states.get(target.key)

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from services.decision.domain.types import RootCauseKind
 
+# contract.Tier's names spelled as a type, so pydantic checks a policy's tiers (tests/decision/test_policy.py
+# holds it to the contract).
 TierName = Literal["P0", "P1", "P2"]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 

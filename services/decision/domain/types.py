@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from sits.runtime.contract import ActionKind, format_target_key
 from sits.runtime.promise import Promise
 
 
@@ -21,7 +22,7 @@ class Target:
 
     @property
     def key(self) -> str:
-        return f"{self.host}/{self.gpu_uuid}/{self.mig_instance}/{self.engine}"
+        return format_target_key(self)
 
     def gpu_level(self) -> Target:
         """The GPU (or MIG instance) this engine runs on, for GPU-wide commands."""
@@ -124,29 +125,6 @@ class OomEvent:
     device_total_bytes: int = 0
     allocator: AllocatorStats | None = None
     message: str = ""
-
-
-class Priority(enum.IntEnum):
-    """Same numbers as sits.v1.Priority."""
-
-    UNSPECIFIED = 0
-    P0 = 1
-    P1 = 2
-    P2 = 3
-
-
-class ActionKind(enum.Enum):
-    """Names of sits.v1.ActionKind without the ACTION_KIND_ prefix."""
-
-    SET_ENGINE_LIMITS = "SET_ENGINE_LIMITS"
-    SHED_PRIORITY = "SHED_PRIORITY"
-    SET_PRESSURE = "SET_PRESSURE"
-    FLUSH_CACHE = "FLUSH_CACHE"
-    ABORT_LOW_PRIORITY = "ABORT_LOW_PRIORITY"
-    PAUSE_ADMISSION = "PAUSE_ADMISSION"
-    RESUME_ADMISSION = "RESUME_ADMISSION"
-    MIG_REBALANCE = "MIG_REBALANCE"
-    SET_TIER_BUDGET = "SET_TIER_BUDGET"
 
 
 class RootCauseKind(enum.Enum):

@@ -9,12 +9,12 @@ from typing import ClassVar
 
 from services.executor import domain
 from services.executor.actions.base import Action, ActionContext, EngineTarget
-from services.executor.domain import ActionKind, Tier
+from sits.runtime.contract import ActionKind, Tier
 from sits.v1 import events_pb2
 
 
 class FlushAction(Action):
-    kinds: ClassVar[tuple[int, ...]] = (ActionKind.ACTION_KIND_FLUSH_CACHE,)
+    kinds: ClassVar[tuple[int, ...]] = (ActionKind.FLUSH_CACHE,)
     not_undoable: ClassVar[str] = "a flushed prefix cache cannot be put back; it refills as requests arrive"
 
     async def apply(
@@ -30,7 +30,7 @@ class FlushAction(Action):
 
 
 class AbortAction(Action):
-    kinds: ClassVar[tuple[int, ...]] = (ActionKind.ACTION_KIND_ABORT_LOW_PRIORITY,)
+    kinds: ClassVar[tuple[int, ...]] = (ActionKind.ABORT_LOW_PRIORITY,)
     not_undoable: ClassVar[str] = "aborted streams cannot be resumed; their clients retry"
 
     async def apply(

@@ -6,15 +6,15 @@ from typing import ClassVar
 
 from services.executor import domain
 from services.executor.actions.base import Action, ActionContext, EngineTarget
-from services.executor.domain import ActionKind
+from sits.runtime.contract import ActionKind
 from sits.v1 import events_pb2
 
 
 class EngineLimitsAction(Action):
     kinds: ClassVar[tuple[int, ...]] = (
-        ActionKind.ACTION_KIND_SET_ENGINE_LIMITS,
-        ActionKind.ACTION_KIND_PAUSE_ADMISSION,
-        ActionKind.ACTION_KIND_RESUME_ADMISSION,
+        ActionKind.SET_ENGINE_LIMITS,
+        ActionKind.PAUSE_ADMISSION,
+        ActionKind.RESUME_ADMISSION,
     )
     needs_engine_info: ClassVar[bool] = True
 

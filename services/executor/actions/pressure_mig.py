@@ -6,13 +6,13 @@ from typing import ClassVar
 
 from services.executor import domain
 from services.executor.actions.base import Action, ActionContext, EngineTarget
-from services.executor.domain import ActionKind
+from sits.runtime.contract import ActionKind
 from sits.v1 import events_pb2
 from sits_mesh.pressure import write_pressure
 
 
 class PressureAction(Action):
-    kinds: ClassVar[tuple[int, ...]] = (ActionKind.ACTION_KIND_SET_PRESSURE,)
+    kinds: ClassVar[tuple[int, ...]] = (ActionKind.SET_PRESSURE,)
 
     async def record(self, ctx: ActionContext, target: EngineTarget) -> events_pb2.ActionState:
         state = events_pb2.ActionState()
@@ -50,7 +50,7 @@ async def set_pressure(ctx: ActionContext, target: EngineTarget, value: float) -
 
 
 class MigAction(Action):
-    kinds: ClassVar[tuple[int, ...]] = (ActionKind.ACTION_KIND_MIG_REBALANCE,)
+    kinds: ClassVar[tuple[int, ...]] = (ActionKind.MIG_REBALANCE,)
 
     async def record(self, ctx: ActionContext, target: EngineTarget) -> events_pb2.ActionState:
         state = events_pb2.ActionState()

@@ -12,12 +12,12 @@ from typing import ClassVar
 
 from services.executor import domain
 from services.executor.actions.base import Action, ActionContext, EngineTarget, Renewal
-from services.executor.domain import ActionKind, Tier
+from sits.runtime.contract import ActionKind, Tier
 from sits.v1 import events_pb2
 
 
 class ShedAction(Action):
-    kinds: ClassVar[tuple[int, ...]] = (ActionKind.ACTION_KIND_SHED_PRIORITY,)
+    kinds: ClassVar[tuple[int, ...]] = (ActionKind.SHED_PRIORITY,)
 
     async def record(self, ctx: ActionContext, target: EngineTarget) -> events_pb2.ActionState:
         board = await ctx.state.breakers(target.name)
@@ -53,7 +53,7 @@ def _expiries(board: domain.BreakerBoard, policy: domain.BreakerPolicy) -> dict[
 
 
 class TierBudgetAction(Action):
-    kinds: ClassVar[tuple[int, ...]] = (ActionKind.ACTION_KIND_SET_TIER_BUDGET,)
+    kinds: ClassVar[tuple[int, ...]] = (ActionKind.SET_TIER_BUDGET,)
 
     async def record(self, ctx: ActionContext, target: EngineTarget) -> events_pb2.ActionState:
         return budget_state(await ctx.state.budget(target.name), ctx.clock.now())

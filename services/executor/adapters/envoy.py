@@ -14,7 +14,7 @@ from __future__ import annotations
 import urllib.error
 from typing import cast
 
-from services.executor.domain import Tier
+from sits.runtime.contract import Tier
 from sits_mesh import envoy_process
 from sits_mesh.envoy_config import breaker_key
 from sits_mesh.policy import PriorityName

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.executor.domain import BreakerBoard, BreakerRecord, BreakerState, Tier, TierBudgetRecord
+from services.executor.domain import BreakerBoard, BreakerRecord, BreakerState, TierBudgetRecord
+from sits.runtime.contract import Tier
 from sits.runtime.redis import explain as explain_redis_error
 from sits.v1 import events_pb2
 
