@@ -73,7 +73,7 @@ def test_every_variable_read_inside_vllm_is_listed() -> None:
 
 
 def test_the_readme_table_is_what_sits_settings_prints(capsys: pytest.CaptureFixture[str]) -> None:
-    from sits import settings_cli
+    from sits_app import settings_cli
 
     parser = argparse.ArgumentParser()
     settings_cli.configure_parser(parser)
