@@ -34,7 +34,7 @@ from services.decision.domain.policy import parse_policy
 from services.decision.domain.types import PlannedCommand
 from services.decision.handover import HandoverStore
 from services.decision.settings import DecisionSettings
-from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, partition_of
+from sits.runtime.bus import EventProducer, PartitionFollower, ReceivedEvent
 from sits.runtime.clock import Clock, SystemClock
 from sits.runtime.contract import ActionKind
 from sits.runtime.events import Topics, seconds
@@ -169,36 +169,31 @@ def model_shape(model: str) -> ModelShape:
     return known_model(model)
 
 
-class PartitionMoves:
+class PartitionMoves(PartitionFollower):
     """Hands targets over through Redis when the group moves partitions between decision replicas."""
 
     def __init__(self, engine: DecisionEngine, store: HandoverStore, metrics_topic: str) -> None:
+        super().__init__(metrics_topic)
         self._engine = engine
         self._store = store
-        self._topic = metrics_topic
-        self.consumer: EventConsumer | None = None
-
-    def _count(self) -> int:
-        count = self.consumer.partition_count(self._topic) if self.consumer is not None else None
-        return count or 1
 
     async def revoked(self, revoked: set[TopicPartition]) -> None:
         lost = {tp.partition for tp in revoked}
         if not lost:
             return
-        count = self._count()
-        handed = self._engine.hand_over(lambda key: partition_of(key, count) in lost)
+        handed = self._engine.hand_over(self.keys_in(lost))
+        partition = self.partition_counter()
         by_partition: dict[int, dict[str, dict[str, Any]]] = {}
         for key, data in handed.items():
-            by_partition.setdefault(partition_of(key, count), {})[key] = data
+            by_partition.setdefault(partition(key), {})[key] = data
         written = await self._store.put(by_partition)
         log.info("handed over %d target(s) on partition(s) %s", written, sorted(lost))
 
     async def assigned(self, assigned: set[TopicPartition]) -> None:
         gained = {tp.partition for tp in assigned}
-        count = self._count()
+        owned = self.keys_in(gained)
         # Targets of partitions this replica no longer owns (a move it did not see revoked): not ours to tick.
-        self._engine.hand_over(lambda key: partition_of(key, count) not in gained)
+        self._engine.hand_over(lambda key: not owned(key))
         taken = self._engine.take_over(await self._store.take(gained)) if gained else 0
         log.info("assigned partition(s) %s; took over %d target(s)", sorted(gained), taken)
 

@@ -31,7 +31,7 @@ from services.validator.domain import (
     Validator,
     settle_seconds,
 )
-from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, partition_of
+from sits.runtime.bus import EventProducer, PartitionFollower, ReceivedEvent
 from sits.runtime.clock import Clock
 from sits.runtime.contract import ActionKind, action_kind_name, parse_target_key
 from sits.runtime.events import Topics, header_value, new_meta, seconds
@@ -259,28 +259,22 @@ def _target_from_key(key: str) -> common_pb2.Target:
         return common_pb2.Target(host=host, gpu_uuid=gpu, mig_instance=mig)
 
 
-class PendingMoves:
+class PendingMoves(PartitionFollower):
     """Watches follow their targets' partitions: pending verdicts live in Redis, so a replica that gains a
     partition picks them up there and one that loses it simply stops judging them."""
 
     def __init__(self, service: ValidatorService, results_topic: str) -> None:
+        super().__init__(results_topic)
         self._service = service
-        self._topic = results_topic
-        self.consumer: EventConsumer | None = None
-
-    def _count(self) -> int:
-        count = self.consumer.partition_count(self._topic) if self.consumer is not None else None
-        return count or 1
 
     async def revoked(self, revoked: set[TopicPartition]) -> None:
         lost = {tp.partition for tp in revoked}
-        count = self._count()
-        released = self._service.release(lambda key: partition_of(key, count) in lost)
+        released = self._service.release(self.keys_in(lost))
         log.info("partition(s) %s revoked: %d pending watch(es) left to their next owner", sorted(lost), released)
 
     async def assigned(self, assigned: set[TopicPartition]) -> None:
-        mine = {tp.partition for tp in assigned}
-        count = self._count()
-        self._service.release(lambda key: partition_of(key, count) not in mine)
-        resumed = await self._service.resume(lambda key: partition_of(key, count) in mine)
-        log.info("assigned partition(s) %s: %d pending watch(es) resumed", sorted(mine), resumed)
+        partitions = {tp.partition for tp in assigned}
+        mine = self.keys_in(partitions)
+        self._service.release(lambda key: not mine(key))
+        resumed = await self._service.resume(mine)
+        log.info("assigned partition(s) %s: %d pending watch(es) resumed", sorted(partitions), resumed)

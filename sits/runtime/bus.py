@@ -85,6 +85,27 @@ def partition_of(key: str, partitions: int) -> int:
     return int(murmur2(key.encode()) & 0x7FFFFFFF) % partitions
 
 
+class PartitionFollower:
+    """Base for a consumer's rebalance handlers whose per-target state follows `topic`'s partitions.
+
+    `consumer` is set once the consumer is built (it takes the handler's callbacks); the partition
+    count is read from it at each move, since a topic may gain partitions.
+    """
+
+    def __init__(self, topic: str) -> None:
+        self._topic = topic
+        self.consumer: EventConsumer | None = None
+
+    def keys_in(self, partitions: set[int]) -> Callable[[str], bool]:
+        """Whether a target key falls in one of `partitions`."""
+        count = (self.consumer.partition_count(self._topic) if self.consumer is not None else None) or 1
+        return lambda key: partition_of(key, count) in partitions
+
+    def partition_counter(self) -> Callable[[str], int]:
+        count = (self.consumer.partition_count(self._topic) if self.consumer is not None else None) or 1
+        return lambda key: partition_of(key, count)
+
+
 class DeadLetter(Exception):
     """Raised by a handler: this record must not be handled; it goes to the dead-letter topic with the reason.
 
