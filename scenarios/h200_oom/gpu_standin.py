@@ -81,13 +81,19 @@ async def publish(args: argparse.Namespace) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def stand_in_parser(description: str) -> argparse.ArgumentParser:
+    """The options every stand-in takes: where to publish, and as which target."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--bootstrap", required=True)
     p.add_argument("--topic-prefix", default="")
     p.add_argument("--host", required=True)
     p.add_argument("--gpu-uuid", required=True)
     p.add_argument("--engine", required=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = stand_in_parser(__doc__.split("\n")[0])
     p.add_argument("--go-file", type=Path, required=True)
     p.add_argument("--hz", type=float, default=10.0)
     p.add_argument("--base", type=float, default=0.3)

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from scenarios.h200_oom.gpu_standin import publish_stand_in_samples
+from scenarios.h200_oom.gpu_standin import publish_stand_in_samples, stand_in_parser
 from sits.v1 import common_pb2
 
 
@@ -37,12 +37,7 @@ async def publish(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--bootstrap", required=True)
-    p.add_argument("--topic-prefix", default="")
-    p.add_argument("--host", required=True)
-    p.add_argument("--gpu-uuid", required=True)
-    p.add_argument("--engine", required=True)
+    p = stand_in_parser(__doc__.split("\n")[0])
     p.add_argument("--total-bytes", type=int, required=True)
     p.add_argument("--engine-bytes", type=int, required=True)
     p.add_argument("--state-file", type=Path, required=True)
