@@ -302,8 +302,8 @@ def main() -> int:
     parser.add_argument(
         "--linger-ms",
         type=float,
-        default=250.0,
-        help="capture's linger (SITS_CAPTURE_LINGER_MS) for the simulated fleet; 0: a record per sample",
+        default=0.0,
+        help="capture's linger (SITS_CAPTURE_LINGER_MS) for the simulated fleet (default 0: none)",
     )
     args = parser.parse_args()
     runs = asyncio.run(run_all(args.targets, args.replicas, args.measure_s, args.warm_s, args.linger_ms))
