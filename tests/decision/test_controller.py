@@ -50,6 +50,15 @@ def signals(
     )
 
 
+def within(demand: tuple[int, int], limit: int | None) -> tuple[int, int]:
+    """(running, waiting) of a tier in the engine when Envoy lets at most `limit` of its streams in."""
+    running, waiting = demand
+    if limit is None:
+        return demand
+    running = min(running, limit)
+    return running, min(waiting, limit - running)
+
+
 def run(controller: TierController, state: BudgetState, reading, start: float, seconds: float):  # type: ignore[no-untyped-def]
     """Tick every tick_s; `reading(t)` gives the engine's signals at t. Returns the commands, with times."""
     sent = []
@@ -182,7 +191,15 @@ def test_no_oscillation_on_a_noisy_signal() -> None:
         # P0 mostly fine with spikes; lower tiers keep the engine full with a queue that comes and goes.
         p90 = max(0.0, rng.gauss(0.03, 0.02)) + (0.2 if rng.random() < 0.03 else 0.0)
         waiting = rng.choice([0, 0, 1, 2, 3])
-        return signals(t, p0_p90=p90, p0_running=rng.choice([1, 2]), p1=(3, waiting), p2=(3, rng.choice([0, 1])))
+        p1, p2 = (3, waiting), (3, rng.choice([0, 1]))
+        # Envoy holds each tier to its limit: no more of its streams reach the engine.
+        return signals(
+            t,
+            p0_p90=p90,
+            p0_running=rng.choice([1, 2]),
+            p1=within(p1, state.limits.get(P1)),
+            p2=within(p2, state.limits.get(P2)),
+        )
 
     sent = run(controller, state, noisy, 0.0, 600.0)
     changes = [(t, c.budget) for t, c in sent if c.move is not Move.RENEW]
@@ -194,3 +211,35 @@ def test_no_oscillation_on_a_noisy_signal() -> None:
     worst = max((sum(1 for r in reversals if t <= r < t + 60) for t in reversals), default=0)
     assert worst <= 2, (worst, changes)
     assert len(changes) < 40, changes
+
+
+def test_p2_alone_behind_p0_is_never_starved_by_an_absent_p1() -> None:
+    """No P1 at all: the share kept for P1 must not hold P2 at zero while the engine has room.
+
+    Refused at Envoy, P2's demand never reaches the engine's signals, so a P2 held at zero would
+    stay there (the HTTP bench served 0 of 551 P2 requests at 1x load that way)."""
+    controller, state = TierController(SETTINGS), BudgetState()
+    p0_running = 2
+
+    def p2_only(t: float) -> EngineSignals:
+        in_engine = min(12, state.limits.get(P2, 12))
+        running = min(in_engine, CAP - p0_running)
+        return signals(t, p0_running=p0_running, p1=(0, 0), p2=(running, in_engine - running))
+
+    sent = run(controller, state, p2_only, 0.0, 60.0)
+    changes = [c for _, c in sent if c.move is not Move.RENEW]
+    assert changes and changes[0].move is Move.ENGAGE
+    assert all(c.limits[P2] > 0 for c in changes), [dict(c.limits) for c in changes]
+    # P2 ends up with every slot P0 leaves, and nothing beyond it waits in the engine.
+    final = p2_only(60.0)
+    assert final.tier(P2).running == CAP - p0_running and final.tier(P2).waiting <= SETTINGS.lookahead
+
+
+def test_a_renewal_resends_the_limits_in_force() -> None:
+    controller, state = TierController(SETTINGS), BudgetState()
+    busy = lambda t: signals(t, p0_p90=0.4, p0_waiting=2, p1=(3, 6), p2=(4, 9))  # noqa: E731
+    engage = next(c for _, c in run(controller, state, busy, 0.0, 2.0) if c.move is Move.ENGAGE)
+    # P1 leaves: the next change would split afresh, but a renewal only holds what is in force.
+    calm = lambda t: signals(t, p0_p90=0.08, p1=(0, 0), p2=(2, 0))  # noqa: E731
+    renewals = [c for _, c in run(controller, state, calm, 2.0, 4.0) if c.move is Move.RENEW]
+    assert renewals and all(c.limits == engage.limits for c in renewals)

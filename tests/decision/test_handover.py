@@ -79,6 +79,7 @@ def test_hand_over_takes_only_the_targets_owned_elsewhere(engine: DecisionEngine
 def test_the_controller_state_survives_the_trip_through_json() -> None:
     state = BudgetState(
         budget=6,
+        limits={1: 4, 2: 2},
         saturated_ticks=2,
         last_change_t=12.5,
         last_move=Move.DECREASE,

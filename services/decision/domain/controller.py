@@ -6,7 +6,9 @@ What it controls. Inside the engine the SITS scheduler already runs P0 first
 (vLLM's priority policy, and a preemption when a P0 cannot start), so what is
 left to steer is how much lower-tier work the engine is given: the budget `B`
 of P1 and P2 streams Envoy lets in at once. P1 keeps up to `p1_share` of the
-ceiling before P2 gets any, so a cut comes out of P2 first, then P1. The
+ceiling before P2 gets any, so a cut comes out of P2 first, then P1; P2's
+part is counted from what P1 uses plus one stream, so an idle P1 does not
+keep P2 out of an engine with room (`split_budget`). The
 ceiling is the engine's running cap plus a small lookahead: more than that
 would only wait inside the engine, where a stream costs memory and tells its
 client nothing; refused at Envoy it can retry elsewhere at once.
@@ -26,8 +28,9 @@ How it moves (AIMD with a dead band, paced by validation):
 - a trim to what runs plus the lookahead when the lower tiers queue in the
   engine beyond it;
 - additive increase only with room to spare: P0 well inside its objective
-  (under half of it), nothing of the lower tiers waiting, a free running slot
-  and the budget in use, and only once the last change was confirmed by the
+  (under half of it), nothing of the lower tiers waiting, a free running slot,
+  a tier at its limit (or held at zero) and the budget no higher than the
+  trim's level, and only once the last change was confirmed by the
   validator (or its settle window passed with no verdict). A rollback of an
   increase holds increases off for a backoff that doubles each time;
 - release: a budget at its ceiling and not used for `release_after_s` hands
@@ -142,6 +145,8 @@ class BudgetState:
     """The controller's memory of one engine."""
 
     budget: int | None = None
+    # The P1/P2 limits last sent (empty: none, or not known since a rollback or an expired lease).
+    limits: dict[int, int] = field(default_factory=dict)
     saturated_ticks: int = 0
     # Consecutive ticks P0 missed its objective: one tick's spike is noise, not a reason to cut.
     missed_ticks: int = 0
@@ -161,11 +166,19 @@ class BudgetState:
     history: list[tuple[float, Move, int | None]] = field(default_factory=list)
 
 
-def split_budget(budget: int, ceiling: int, p1_share: float) -> dict[int, int]:
-    """Envoy limits for P1 and P2 that add up to `budget`: P1 keeps its share first, P2 gets the rest."""
+def split_budget(budget: int, ceiling: int, p1_share: float, *, p1_in_engine: int | None = None) -> dict[int, int]:
+    """Envoy limits for P1 and P2 out of `budget`: P1 first, up to its share; P2 gets the rest.
+
+    With `p1_in_engine` (P1's streams running or waiting), the rest is counted from what P1 uses plus
+    one stream, not from P1's whole limit: a share held for an absent or light P1 would leave P2
+    refused while the engine has room, and refused at Envoy P2's demand is out of the controller's
+    sight, so nothing would give it back. P1 keeps its limit: if it grows into it, the queue or P0's
+    objective shows it and the next cut, counted afresh, comes out of P2.
+    """
     p1_cap = max(1, math.ceil(ceiling * p1_share))
     p1 = min(budget, p1_cap)
-    return {P1: p1, P2: budget - p1}
+    reserved = p1 if p1_in_engine is None else min(p1, p1_in_engine + 1)
+    return {P1: p1, P2: budget - reserved}
 
 
 class TierController:
@@ -177,7 +190,24 @@ class TierController:
 
     def split(self, budget: int, signals: EngineSignals) -> dict[int, int]:
         slots = max(signals.max_num_seqs, signals.running_cap)
-        return split_budget(budget, slots + self.settings.lookahead, self.settings.p1_share)
+        p1 = signals.tier(P1)
+        return split_budget(
+            budget, slots + self.settings.lookahead, self.settings.p1_share, p1_in_engine=p1.running + p1.waiting
+        )
+
+    def in_use(self, state: BudgetState, signals: EngineSignals) -> bool:
+        """Lower-tier demand presses on the budget: a tier fills its limit, or a tier is held at zero.
+
+        Per tier, not in sum: a P1 that leaves its spare stream unused must not hide a P2 at its limit.
+        A tier at zero counts as pressing, since Envoy refuses its demand out of the engine's sight.
+        """
+        limits = state.limits or (self.split(state.budget, signals) if state.budget is not None else {})
+        for tier in LOWER_TIERS:
+            limit = limits.get(tier, 0)
+            load = signals.tier(tier)
+            if limit <= 0 or load.running + load.waiting >= limit:
+                return True
+        return False
 
     def p0_missed(self, signals: EngineSignals) -> bool:
         objective = self.settings.p0_queue_wait_p90_s
@@ -209,10 +239,12 @@ class TierController:
     def on_rollback(self, state: BudgetState, budget: int | None) -> None:
         """The executor restored `budget` (None: the defaults)."""
         state.budget = budget
+        state.limits = {}
 
     def on_expired(self, state: BudgetState) -> None:
         """The lease ran out and the executor restored the defaults."""
         state.budget = None
+        state.limits = {}
         state.saturated_ticks = 0
 
     def on_oom(self, state: BudgetState, t: float) -> None:
@@ -235,7 +267,9 @@ class TierController:
             return command
         if state.budget is not None and now - state.last_sent_t >= s.lease_s / 3.0:
             state.last_sent_t = now
-            return BudgetCommand(Move.RENEW, state.budget, self.split(state.budget, signals), "budget renewed", 0.0)
+            # The limits in force, not a fresh split: a renewal changes nothing, so it needs no verdict.
+            limits = state.limits or self.split(state.budget, signals)
+            return BudgetCommand(Move.RENEW, state.budget, limits, "budget renewed", 0.0)
         return None
 
     def _decide(self, state: BudgetState, signals: EngineSignals, now: float) -> BudgetCommand | None:
@@ -277,7 +311,7 @@ class TierController:
             return None
         if now < state.last_oom_t + s.no_loosen_after_oom_s:
             return None
-        in_use = signals.lower_running + signals.lower_waiting >= budget
+        in_use = self.in_use(state, signals)
         if budget >= ceiling:
             state.unused_since = None if in_use else (state.unused_since if state.unused_since is not None else now)
             unused_long = state.unused_since is not None and now - state.unused_since >= s.release_after_s
@@ -286,9 +320,12 @@ class TierController:
             return None
         state.unused_since = None
         room = signals.running < signals.running_cap and signals.lower_waiting == 0
+        # Never above the trim's level (what runs plus the lookahead): past it the next queue would
+        # trim it back, and the two would take turns. A P2 held at zero runs nothing to count.
         if (
             room
             and in_use
+            and (budget + s.increase_step <= trimmed or state.limits.get(P2, 1) <= 0)
             and self.p0_comfortable(signals)
             and now >= state.hold_increase_until
             and self._settled(state, now)
@@ -325,6 +362,7 @@ class TierController:
 
     def _record(self, state: BudgetState, command: BudgetCommand, now: float) -> None:
         state.budget = command.budget
+        state.limits = dict(command.limits)
         state.last_change_t = now
         state.last_settle_s = command.settle_s
         state.last_move = command.move

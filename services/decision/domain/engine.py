@@ -892,6 +892,8 @@ def budget_from_dict(data: Mapping[str, Any]) -> BudgetState:
     if values.get("last_move") is not None:
         values["last_move"] = Move(values["last_move"])
     values["history"] = [(float(t), Move(m), b) for t, m, b in values.get("history", [])]
+    # JSON keys are strings; the tiers are numbers.
+    values["limits"] = {int(tier): int(n) for tier, n in values.get("limits", {}).items()}
     if values.get("rate_mark") is not None:
         t, n = values["rate_mark"]
         values["rate_mark"] = (float(t), int(n))
