@@ -88,7 +88,7 @@ def test_step_response_engages_within_two_ticks_and_cuts_p2_first() -> None:
     # Lower tiers run 7 streams; P0 already misses its objective, so half of that.
     assert engage.budget == 3
     ceiling = CAP + SETTINGS.lookahead
-    assert engage.limits == split_budget(3, ceiling, SETTINGS.p1_share)
+    assert engage.limits == split_budget(3, ceiling, SETTINGS.p1_share, p1_in_engine=3 + 6)
     assert engage.limits[P2] <= engage.limits[P1], "P2 gives up its share first"
     assert engage.drain_backlog
     assert rest == []

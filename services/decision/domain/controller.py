@@ -166,10 +166,10 @@ class BudgetState:
     history: list[tuple[float, Move, int | None]] = field(default_factory=list)
 
 
-def split_budget(budget: int, ceiling: int, p1_share: float, *, p1_in_engine: int | None = None) -> dict[int, int]:
+def split_budget(budget: int, ceiling: int, p1_share: float, *, p1_in_engine: int) -> dict[int, int]:
     """Envoy limits for P1 and P2 out of `budget`: P1 first, up to its share; P2 gets the rest.
 
-    With `p1_in_engine` (P1's streams running or waiting), the rest is counted from what P1 uses plus
+    The rest is counted from what P1 has in the engine (`p1_in_engine`, running or waiting) plus
     one stream, not from P1's whole limit: a share held for an absent or light P1 would leave P2
     refused while the engine has room, and refused at Envoy P2's demand is out of the controller's
     sight, so nothing would give it back. P1 keeps its limit: if it grows into it, the queue or P0's
@@ -177,7 +177,7 @@ def split_budget(budget: int, ceiling: int, p1_share: float, *, p1_in_engine: in
     """
     p1_cap = max(1, math.ceil(ceiling * p1_share))
     p1 = min(budget, p1_cap)
-    reserved = p1 if p1_in_engine is None else min(p1, p1_in_engine + 1)
+    reserved = min(p1, p1_in_engine + 1)
     return {P1: p1, P2: budget - reserved}
 
 
@@ -195,13 +195,16 @@ class TierController:
             budget, slots + self.settings.lookahead, self.settings.p1_share, p1_in_engine=p1.running + p1.waiting
         )
 
-    def in_use(self, state: BudgetState, signals: EngineSignals) -> bool:
+    def limits_in_force(self, state: BudgetState, budget: int, signals: EngineSignals) -> dict[int, int]:
+        """The limits last sent; after a rollback or an expired lease, the split of `budget`."""
+        return state.limits or self.split(budget, signals)
+
+    def in_use(self, limits: Mapping[int, int], signals: EngineSignals) -> bool:
         """Lower-tier demand presses on the budget: a tier fills its limit, or a tier is held at zero.
 
         Per tier, not in sum: a P1 that leaves its spare stream unused must not hide a P2 at its limit.
         A tier at zero counts as pressing, since Envoy refuses its demand out of the engine's sight.
         """
-        limits = state.limits or (self.split(state.budget, signals) if state.budget is not None else {})
         for tier in LOWER_TIERS:
             limit = limits.get(tier, 0)
             load = signals.tier(tier)
@@ -268,7 +271,7 @@ class TierController:
         if state.budget is not None and now - state.last_sent_t >= s.lease_s / 3.0:
             state.last_sent_t = now
             # The limits in force, not a fresh split: a renewal changes nothing, so it needs no verdict.
-            limits = state.limits or self.split(state.budget, signals)
+            limits = self.limits_in_force(state, state.budget, signals)
             return BudgetCommand(Move.RENEW, state.budget, limits, "budget renewed", 0.0)
         return None
 
@@ -311,7 +314,8 @@ class TierController:
             return None
         if now < state.last_oom_t + s.no_loosen_after_oom_s:
             return None
-        in_use = self.in_use(state, signals)
+        limits = self.limits_in_force(state, budget, signals)
+        in_use = self.in_use(limits, signals)
         if budget >= ceiling:
             state.unused_since = None if in_use else (state.unused_since if state.unused_since is not None else now)
             unused_long = state.unused_since is not None and now - state.unused_since >= s.release_after_s
@@ -325,7 +329,7 @@ class TierController:
         if (
             room
             and in_use
-            and (budget + s.increase_step <= trimmed or state.limits.get(P2, 1) <= 0)
+            and (budget + s.increase_step <= trimmed or limits[P2] <= 0)
             and self.p0_comfortable(signals)
             and now >= state.hold_increase_until
             and self._settled(state, now)
