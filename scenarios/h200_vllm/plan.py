@@ -12,9 +12,11 @@ Two causes of death, each a known failure of the field (docs/h200_oom_prevention
   tokens); then a burst of long prompts (a batch job) fills a whole step. No memory trend
   precedes it: only the step's activation need against what is left says it will not fit.
 
-The squeeze leaves `leave_bytes` free after the co-tenant's plateau: less than a full step at
-the engine's start-up budget needs from the device (it dies), more than a step of a fitted
-budget needs (it lives), sized from the estimator's activation model.
+The squeeze leaves the engine `leave_bytes` of headroom after the co-tenant's plateau: free
+device memory plus what its caching allocator holds beyond its floor (PyTorch gives that back
+and retries before it raises an OOM, so it counts). That is half of what a full step at the
+engine's start-up budget allocates (it dies) and more than a step of a fitted budget needs with
+the allocator's overhead (it lives), sized from the estimator's activation model.
 """
 
 from __future__ import annotations
@@ -72,8 +74,13 @@ def step_need_bytes(shape: ModelShape, tokens: int, max_num_seqs: int) -> int:
 
 
 def leave_bytes(shape: ModelShape, budget: int, max_num_seqs: int, floor: int = GIB) -> int:
-    """Free memory after the squeeze: about half of what a full step at the start-up budget needs."""
-    return max(floor, int(0.55 * step_need_bytes(shape, budget, max_num_seqs)))
+    """The engine's headroom after the squeeze: half of what a full step at the start-up budget allocates.
+
+    Half of the allocated bytes, not of the device bytes with the allocator's overhead: the
+    headroom counts the allocator's cache, which a failing allocation empties and retries with
+    (0.55 x the device need left a step of the H100 run of 2026-12-05 room to run from the cache).
+    """
+    return max(floor, int(0.5 * shape.activation_bytes(budget, min(max_num_seqs, budget), 2)))
 
 
 def choose_utilization(total: int, weights: int) -> float:

@@ -13,7 +13,7 @@ build, where nothing can run out of memory). Per scenario (`plan.py`) and mode:
    measures the death and how long before it the first warning came; "with": capture,
    decision, executor and validator: the whole loop;
 3. after a short history, the clients send the plan's requests and the co-tenant
-   (`cotenant.py`) takes the GPU's free memory down to the plan's squeeze;
+   (`cotenant.py`) takes free memory until the engine has only the plan's headroom left, and holds it;
 4. the run ends when every request has ended; the engine's death (its OOM, its health check)
    and everything SITS said and did (Kafka topics) are recorded.
 
@@ -315,7 +315,7 @@ class Run:
             log.info("== %s: services up; %.0f s of history before t0", tag, a.history_s)
             time.sleep(a.history_s)
             t0 = time.time() + 1.0
-            procs.append(self._cotenant(scenario, files, tag))
+            procs.append(self._cotenant(scenario, files, tag, engine.control_address))
             write_json(files["go"], {"t0": t0})
             timeout = scenario.load_s + a.drain_s
             outcomes, monitor = asyncio.run(_load_and_watch(engine, scenario, t0, self.vocab, timeout))
@@ -376,7 +376,9 @@ class Run:
             await asyncio.sleep(0.5)
         raise TimeoutError(f"vLLM not healthy after {timeout_s} s:\n{engine.log_tail()}")
 
-    def _cotenant(self, scenario: plans.ScenarioPlan, files: dict[str, Path], tag: str) -> ManagedProcess:
+    def _cotenant(
+        self, scenario: plans.ScenarioPlan, files: dict[str, Path], tag: str, control_address: str
+    ) -> ManagedProcess:
         s = scenario.squeeze
         argv = [
             sys.executable,
@@ -396,6 +398,8 @@ class Run:
             str(s.steps),
             "--leave-bytes",
             str(s.leave_bytes),
+            "--engine-control",
+            control_address,
         ]
         if self.args.device == "cpu":
             argv += ["--cpu-free-bytes", str(CPU_TOTAL // 2), "--state-file", str(files["cotenant-state"])]

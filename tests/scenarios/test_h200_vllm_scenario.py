@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from bench.h200_vllm_oom import estimator_checks
-from scenarios.h200_vllm import plan, report
+from scenarios.h200_vllm import cotenant, plan, report
 from scenarios.h200_vllm.engine import hook_entry_point_dir, parse_engine_log
 from scenarios.h200_vllm.shapes import SHAPES
 from services.decision.domain.kv_model import known_model, shape_from_hf_config
@@ -27,11 +27,21 @@ LLAMA = known_model("llama-3-8b")
 
 def test_the_squeeze_leaves_less_than_a_full_step_needs_and_more_than_a_fitted_one() -> None:
     leave = plan.leave_bytes(LLAMA, 32768, 128)
-    full = plan.step_need_bytes(LLAMA, 32768, 128)
-    assert 0.5 * full < leave < full
+    # What the step allocates, before the allocator's overhead: even with every cached byte reused it dies.
+    allocated = LLAMA.activation_bytes(32768, 128, 2)
+    assert leave < 0.6 * allocated
+    assert leave < plan.step_need_bytes(LLAMA, 32768, 128) / 2
     assert plan.step_need_bytes(LLAMA, 8192, 128) < leave
     assert plan.leave_bytes(LLAMA, 512, 32) == GIB  # never below the floor
     assert plan.leave_bytes(LLAMA, 512, 32, floor=0) < GIB
+
+
+def test_the_cotenant_counts_the_engines_cache_as_headroom_and_takes_only_free_memory() -> None:
+    # 10 GiB free, 3 GiB cached in the engine, 2 GiB to leave: 11 GiB to take over the steps left.
+    assert cotenant.step_bytes(10 * GIB, 3 * GIB, 2 * GIB, 1) == 10 * GIB - (64 << 20)
+    assert cotenant.step_bytes(10 * GIB, 3 * GIB, 2 * GIB, 4) == 11 * GIB // 4
+    assert cotenant.step_bytes(10 * GIB, None, 2 * GIB, 2) == 4 * GIB  # cache unknown: free memory only
+    assert cotenant.step_bytes(GIB, 0, 2 * GIB, 1) == 0  # already below: nothing taken
 
 
 @pytest.mark.parametrize("name", list(plan.PLANS))
