@@ -211,11 +211,22 @@ class Demo:
     async def _say_stopping(self) -> None:
         self.step("stopping everything that was started")
 
-    async def _capacity(self, engine_addr: str, seconds: float = 6.0) -> float:
-        """Requests per second the engine completes when kept full (closed loop, straight to vLLM)."""
+    async def _capacity(self, engine_addr: str, seconds: float = 8.0) -> float:
+        """Requests per second the engine completes when kept full (closed loop, straight to vLLM).
+
+        As many clients as the engine runs requests, each sending its next as the last ends.
+        Completions count only once every client has finished one request: a fresh engine's first
+        requests are slow (warm-up): counting them in a short window with half as many clients
+        measured 1.7 requests/s in a demo of 2026-12-06, where a warm engine of the same shape
+        served 14 in a closed loop on the same machine, so the demo's "3x" never pressed the
+        engine. Warm-up is bounded by four times `seconds`.
+        """
         self.step("[4/7] measuring what the engine serves (closed loop, straight to vLLM)")
-        done = 0
-        deadline = time.monotonic() + seconds
+        clients = self.config.max_num_seqs
+        warmed: set[int] = set()
+        window: list[float] = []  # [start, end] once every client has finished one request
+        counted = completed = 0
+        began = time.monotonic()
         prompt, new_tokens = sum(PROMPT_TOKENS) // 2, sum(MAX_TOKENS) // 2
         async with contextlib.AsyncExitStack() as resources:
             if self._api == "openai":
@@ -231,14 +242,31 @@ class Demo:
                 async def one() -> RequestOutcome:
                     return await one_request(stub, "P0", prompt, new_tokens)
 
-            async def worker() -> None:
-                nonlocal done
-                while time.monotonic() < deadline:
-                    done += (await one()).ok
+            def running() -> bool:
+                now = time.monotonic()
+                if self.stop.is_set():
+                    return False
+                return now < window[1] if window else now - began < 4 * seconds
 
-            began = time.monotonic()
-            await asyncio.gather(*(worker() for _ in range(self.config.max_num_seqs // 2)))
-            return max(1.0, done / (time.monotonic() - began))
+            async def client(index: int) -> None:
+                nonlocal counted, completed
+                while running():
+                    outcome = await one()
+                    if not outcome.ok:
+                        continue
+                    completed += 1
+                    if window and window[0] <= outcome.finished < window[1]:
+                        counted += 1
+                    warmed.add(index)
+                    if len(warmed) == clients and not window:
+                        now = time.monotonic()
+                        window.extend([now, now + seconds])
+
+            await asyncio.gather(*(client(i) for i in range(clients)))
+        if not window:
+            # Never warm within the bound: what completed over the whole probe.
+            return max(1.0, completed / (time.monotonic() - began))
+        return max(1.0, counted / seconds)
 
     async def _drive_load(self, path: Served, capacity: float, seconds: float) -> None:
         base = capacity * 0.5
