@@ -78,7 +78,8 @@ def leave_bytes(shape: ModelShape, budget: int, max_num_seqs: int, floor: int = 
 
     Half of the allocated bytes, not of the device bytes with the allocator's overhead: the
     headroom counts the allocator's cache, which a failing allocation empties and retries with
-    (0.55 x the device need left a step of the H100 run of 2026-12-05 room to run from the cache).
+    (0.55 x the device need, left free, let the full steps of the re-runs of 2026-12-04 to 12-06
+    run from the cache: docs/h200_oom_prevention.md).
     """
     return max(floor, int(0.5 * shape.activation_bytes(budget, min(max_num_seqs, budget), 2)))
 
