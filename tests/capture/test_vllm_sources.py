@@ -99,11 +99,16 @@ async def test_grpc_source_reads_loads_under_traffic(vllm_engine: VllmServer) ->
 
     async def follow() -> None:
         # KV events only flow while blocks are stored, so the traffic starts once the source
-        # is reading, and the source reads until it has seen a batch (bounded by the timeout).
+        # is reading, and the source reads until it has seen the engine busy and a KV batch
+        # (bounded by the timeout). Stopping at a count of samples let a loaded host end the
+        # reading before the streams were running (CI of 2026-12-06).
+        busy_seen = False
         async for event in source.events():
             samples.append(event)
             first_sample.set()
-            if len(samples) >= 40 and source.kv_batches > 0:
+            engine = getattr(event, "engine", None)
+            busy_seen = busy_seen or bool(engine and (engine.num_requests_running > 0 or engine.kv_cache_usage > 0))
+            if len(samples) >= 10 and busy_seen and source.kv_batches > 0:
                 return
 
     reader = asyncio.create_task(follow())
