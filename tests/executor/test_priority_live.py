@@ -48,8 +48,8 @@ async def test_a_p0_request_preempts_the_newest_lowest_tier_request_when_the_run
     # Twenty-four P2 streams behind a cap of two keep the engine full for twelve rounds of 400 tokens.
     # Ten (five rounds) were not enough on a loaded 2-core host: the P2 streams had all finished
     # (step 2093, nothing running) before the P0 request reached the scheduler (CI of 2026-12-06).
-    streams = 24
-    channel, lows = await start_streams(engine.address, streams, prompt_len=24, max_tokens=400, prefix="p2-full")
+    p2_streams = 24
+    channel, lows = await start_streams(engine.address, p2_streams, prompt_len=24, max_tokens=400, prefix="p2-full")
     try:
         try:
             address = engine.control_address
@@ -77,7 +77,7 @@ async def test_a_p0_request_preempts_the_newest_lowest_tier_request_when_the_run
         assert took < 60
         # The P2 streams were preempted, not dropped: each still gets all its tokens.
         outcomes = await asyncio.wait_for(asyncio.gather(*lows), timeout=240)
-        assert [len(o.tokens) for o in outcomes] == [400] * streams
+        assert [len(o.tokens) for o in outcomes] == [400] * p2_streams
     finally:
         for task in lows:
             task.cancel()
