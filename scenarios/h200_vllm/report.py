@@ -21,6 +21,10 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+# How long after a command the engine's own memory is watched (the GPU policy's settle window, 4 s, plus margin).
+ENGINE_GROWTH_WINDOW_S = 6.0
+DEVICE_ONLY = {"gpu_memory_below"}
+
 
 def ts(value: str | None) -> float | None:
     if not value:
@@ -49,6 +53,7 @@ def commands(run: dict[str, Any]) -> list[dict[str, Any]]:
                 "reason": c.get("reason"),
                 "budget": limits.get("max_num_scheduled_tokens"),
                 "promise_gpu_fraction": (c.get("promise") or {}).get("gpu_memory_fraction_below"),
+                "promise_engine_bytes": (c.get("promise") or {}).get("engine_memory_bytes_below"),
             }
         )
     return sorted(out, key=lambda c: math.inf if c["t"] is None else c["t"])
@@ -116,6 +121,46 @@ def served(run: dict[str, Any]) -> tuple[int, int]:
     return sum(1 for o in outcomes if o.get("completed")), len(outcomes)
 
 
+def engine_memory(run: dict[str, Any]) -> list[tuple[float, int]]:
+    """The engine's own device memory over the run (NVML, its processes), seconds from t0."""
+    t0 = float(run.get("t0") or 0.0)
+    pids = {str(p) for p in _engine_pids(run)}
+    series = []
+    for raw in run.get("records", {}).get("metrics", []):
+        procs = raw.get("processes") or []
+        mine = sum(int(p.get("used_bytes", 0)) for p in procs if p.get("is_target_engine") or str(p.get("pid")) in pids)
+        t = _rel(raw.get("meta", {}).get("produced_at"), t0)
+        if mine > 0 and t is not None:
+            series.append((t, mine))
+    return series
+
+
+def engine_growth_after(run: dict[str, Any], window_s: float) -> list[dict[str, Any]]:
+    """Per command: the engine's own memory when it was issued and the most it held in the next `window_s`.
+
+    A step-budget cut can only hold the engine's own memory; what the device shows also moves with other
+    tenants. This reads whether each cut held it, from the recorded samples.
+    """
+    series = engine_memory(run)
+    out = []
+    for c in commands(run):
+        if c["t"] is None:
+            continue
+        before = [b for t, b in series if t <= c["t"]]
+        after = [b for t, b in series if c["t"] <= t <= c["t"] + window_s]
+        if before and after:
+            out.append(
+                {
+                    "t": c["t"],
+                    "rule": c["rule"],
+                    "engine_bytes_at_command": before[-1],
+                    "engine_bytes_max_after": max(after),
+                    "growth_bytes": max(after) - before[-1],
+                }
+            )
+    return out
+
+
 def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
     died, death_t = death(run)
     cmds = commands(run)
@@ -128,6 +173,7 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
         "shape": run.get("shape"),
         "scenario": run.get("scenario"),
         "mode": run.get("mode"),
+        "repeat": int(run.get("repeat") or 1),
         "error": run.get("error"),
         "died": died,
         "death_t": death_t,
@@ -150,6 +196,7 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
         "commands_detail": cmds,
         "actions_detail": acts,
         "verdicts_detail": judged,
+        "engine_memory_after_commands": engine_growth_after(run, ENGINE_GROWTH_WINDOW_S),
         "oom_events": [
             {k: o.get(k) for k in ("requested_bytes", "device_free_bytes", "message")}
             for o in run.get("records", {}).get("oom", [])
@@ -181,15 +228,15 @@ def activation(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarize(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    rows: dict[tuple[str, str, int], dict[str, Any]] = {}
     per_run = []
     engine = ""
     for run in runs:
         s = summarize_run(run)
         per_run.append(s)
         engine = engine or str(run.get("engine", ""))
-        key = (str(run.get("shape")), str(run.get("scenario")))
-        row = rows.setdefault(key, {"shape": key[0], "scenario": key[1], "cause": run.get("cause")})
+        key = (str(run.get("shape")), str(run.get("scenario")), s["repeat"])
+        row = rows.setdefault(key, {"shape": key[0], "scenario": key[1], "repeat": key[2], "cause": run.get("cause")})
         mode = s["mode"]
         row[f"died_{mode}"] = s["died"]
         row[f"served_{mode}"] = f"{s['completed']}/{s['submitted']}"
@@ -217,6 +264,19 @@ def summarize(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "validator_ran": int(any(sum(s["verdicts"].values()) > 0 for s in with_runs)),
         "warning_lead_s_min": min(leads) if leads else None,
     }
+    # The cuts (every command but a raise) against the engine's own memory, and the verdicts that failed
+    # only on the device's memory: what a co-tenant took, not what the engine used.
+    growth = [
+        g["growth_bytes"] for s in with_runs for g in s["engine_memory_after_commands"] if "raise" not in str(g["rule"])
+    ]
+    if growth:
+        totals["engine_memory_growth_after_cuts_max_bytes"] = max(growth)
+    totals["verdicts_failed_only_on_device_memory"] = sum(
+        1
+        for s in with_runs
+        for v in s["verdicts_detail"]
+        if v["verdict"] != "CONFIRMED" and {c["name"] for c in v["checks"] if not c.get("passed")} == DEVICE_ONLY
+    )
     return {"totals": totals, "scenarios": table, "runs": per_run}
 
 
@@ -331,7 +391,7 @@ def _engine_pids(run: dict[str, Any]) -> list[int]:
     return [int(p) for p in run.get("engine_pids", [])]
 
 
-def write_trace_of(run: dict[str, Any], path: str) -> int:
+def write_trace_of(run: dict[str, Any], path: str, name: str = "") -> int:
     """The run as a SITS trace v1 file; its header says what ran and how it ended."""
     from sits.runtime.traces import TraceHeader, TraceTarget, write_trace
 
@@ -341,7 +401,7 @@ def write_trace_of(run: dict[str, Any], path: str) -> int:
     died, death_t = death(run)
     device = run.get("device") or {}
     header = TraceHeader(
-        name=f"{run.get('shape')}_{run.get('scenario')}_{run.get('mode')}",
+        name=name or f"{run.get('shape')}_{run.get('scenario')}_{run.get('mode')}",
         description=f"real vLLM ({run.get('engine')}), {run.get('cause')}; SITS {run.get('mode')}",
         recorded_on=f"{device.get('name', '')}, driver {device.get('driver', '')}",
         target=TraceTarget(host="gpu-host", gpu_uuid=str(device.get("uuid", "")), engine="vllm-0"),
@@ -365,31 +425,41 @@ def _first_t(run: dict[str, Any]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m scenarios.h200_vllm.report RAW_DIR OUT_DIR: summary.json, a plot per scenario, traces."""
+    """python -m scenarios.h200_vllm.report RAW_DIR [RAW_DIR ...] OUT_DIR: summary.json, a plot per scenario, traces.
+
+    Several raw directories may hold repeats of the same scenario (one device call each): each run is
+    numbered in the order given, per shape, scenario and mode.
+    """
     import argparse
     import json
     from pathlib import Path
 
     p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("raw", type=Path)
+    p.add_argument("raw", type=Path, nargs="+")
     p.add_argument("out", type=Path)
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     runs = []
-    for path in sorted(args.raw.glob("*.json")):
-        data = json.loads(path.read_text())
-        if isinstance(data, dict) and "scenario" in data and "mode" in data:
-            runs.append(data)
-    runs.sort(key=lambda r: (str(r.get("shape")), str(r.get("scenario")), r.get("mode") != "without"))
+    seen: Counter[tuple[str, str, str]] = Counter()
+    for raw in args.raw:
+        for path in sorted(raw.glob("*.json")):
+            data = json.loads(path.read_text())
+            if isinstance(data, dict) and "scenario" in data and "mode" in data:
+                key = (str(data.get("shape")), str(data["scenario"]), str(data["mode"]))
+                seen[key] += 1
+                data["repeat"] = seen[key]
+                runs.append(data)
+    runs.sort(key=lambda r: (str(r.get("shape")), str(r.get("scenario")), r["repeat"], r.get("mode") != "without"))
     summary = summarize(runs)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for run in runs:
-        groups.setdefault((str(run.get("shape")), str(run.get("scenario"))), []).append(run)
-    for (shape_name, scenario), group in groups.items():
-        plot(group, str(args.out / f"{shape_name}_{scenario}.png"))
+        groups.setdefault((str(run.get("shape")), str(run.get("scenario")), run["repeat"]), []).append(run)
+    for (shape_name, scenario, repeat), group in groups.items():
+        stem = f"{shape_name}_{scenario}" + (f"_r{repeat}" if max(seen.values()) > 1 else "")
+        plot(group, str(args.out / f"{stem}.png"))
         for run in group:
-            write_trace_of(run, str(args.out / f"{shape_name}_{scenario}_{run['mode']}.jsonl.gz"))
+            write_trace_of(run, str(args.out / f"{stem}_{run['mode']}.jsonl.gz"), name=f"{stem}_{run['mode']}")
     print(json.dumps(summary["totals"], indent=1))
     return 0
 

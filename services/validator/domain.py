@@ -14,6 +14,9 @@ checked on what was observed of the target:
   probe, kept reporting through the window;
 - `gpu_memory_below`: GPU memory (NVML samples only: a KV cache vLLM keeps full
   by design says nothing) at most the promised fraction at the end;
+- `engine_memory_below`: the engine's own GPU memory (NVML, its processes) at
+  most the promised bytes at the end (a step-budget cut's promise: a co-tenant
+  filling the device is not the cut's to prevent);
 - `no_preemption_storm`: the engine's preemptions per second at most the bound;
 - `running_at_most`: the engine's running requests within a new cap;
 - `effect`: for actions that cannot be undone, the effect the executor reported.
@@ -46,6 +49,7 @@ DEFAULT_SETTLE_S: dict[ActionKind, float] = {
     ActionKind.MIG_REBALANCE: 30.0,
 }
 FALLBACK_SETTLE_S = 5.0
+GIB = float(1 << 30)
 # Actions that are not themselves validated: a rollback restores a state already judged.
 NOT_VALIDATED = frozenset({ActionKind.ROLLBACK})
 # Kinds whose effect cannot be put back: their verdict is "effect observed", never a rollback.
@@ -116,6 +120,7 @@ class TargetWatch:
     """What the validator has seen of one target recently (bounded)."""
 
     gpu_memory: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=512))
+    engine_memory: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=512))
     engine: deque[EngineObservation] = field(default_factory=lambda: deque(maxlen=512))
     oom_times: deque[float] = field(default_factory=lambda: deque(maxlen=64))
     last_seen: float = float("-inf")
@@ -167,6 +172,13 @@ class Validator:
             return
         watch = self.watch(target_key)
         watch.gpu_memory.append((at, fraction))
+        watch.last_seen = max(watch.last_seen, at)
+
+    def observe_engine_memory(self, target_key: str, at: float, used_bytes: int) -> None:
+        if used_bytes <= 0:
+            return
+        watch = self.watch(target_key)
+        watch.engine_memory.append((at, used_bytes))
         watch.last_seen = max(watch.last_seen, at)
 
     def observe_engine(self, target_key: str, observation: EngineObservation) -> None:
@@ -234,6 +246,20 @@ class Validator:
                         worst,
                         limit,
                         f"GPU memory at most {worst:.1%} over the last {len(memory)} samples; promised {limit:.1%}",
+                    )
+                )
+        if promise.engine_memory_bytes_below is not None:
+            held = [b for at, b in watch.engine_memory if tail_start <= at <= end]
+            if held:
+                worst_bytes, limit_bytes = max(held), promise.engine_memory_bytes_below
+                checks.append(
+                    CheckResult(
+                        "engine_memory_below",
+                        worst_bytes <= limit_bytes,
+                        float(worst_bytes),
+                        float(limit_bytes),
+                        f"the engine held at most {worst_bytes / GIB:.2f} GiB over the last {len(held)} samples; "
+                        f"promised {limit_bytes / GIB:.2f} GiB",
                     )
                 )
         if promise.preemptions_per_s_below is not None and len(tail) >= 2:

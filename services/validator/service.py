@@ -110,6 +110,9 @@ class ValidatorService:
             at = seconds(message.meta.produced_at)
             if message.HasField("gpu") and message.gpu.total_bytes > 0:
                 self.validator.observe_gpu_memory(event.key, at, message.gpu.used_bytes / message.gpu.total_bytes)
+            engine_bytes = sum(p.used_bytes for p in message.processes if p.is_target_engine)
+            if engine_bytes > 0:
+                self.validator.observe_engine_memory(event.key, at, engine_bytes)
             if message.HasField("engine") and message.engine.tiers:
                 self.validator.observe_engine(event.key, engine_observation(message.engine, at))
         elif isinstance(message, events_pb2.OomEvent):

@@ -23,14 +23,22 @@ class Promise:
     preemptions_per_s_below: float | None = None
     running_at_most: int | None = None
     effect: str = ""
+    engine_memory_bytes_below: int | None = None
 
 
-_Optional = Literal["p0_queue_wait_p90_s", "gpu_memory_fraction_below", "preemptions_per_s_below", "running_at_most"]
+_Optional = Literal[
+    "p0_queue_wait_p90_s",
+    "gpu_memory_fraction_below",
+    "preemptions_per_s_below",
+    "running_at_most",
+    "engine_memory_bytes_below",
+]
 _OPTIONAL: Final[tuple[_Optional, ...]] = (
     "p0_queue_wait_p90_s",
     "gpu_memory_fraction_below",
     "preemptions_per_s_below",
     "running_at_most",
+    "engine_memory_bytes_below",
 )
 
 

@@ -16,6 +16,7 @@ from services.decision.domain.types import (
     EngineLoad,
     GpuMemory,
     OomEvent,
+    ProcessMemory,
     Sample,
 )
 from sits.runtime.clock import ManualClock
@@ -97,6 +98,47 @@ def test_the_promise_is_the_device_level_a_full_step_at_the_new_budget_brings() 
     expected = (TOTAL - 2 * GIB + max(0, step.need(fitted) - GIB) + 256 * MIB) / TOTAL
     assert step.device_fraction_after(fitted, TERMS) == pytest.approx(expected)
     assert step.device_fraction_after(CEILING, TERMS) == 1.0
+
+
+def test_the_engines_own_promise_is_its_memory_now_plus_one_step_at_the_new_budget() -> None:
+    allocator = AllocatorStats(allocated_bytes=60 * GIB, reserved_bytes=61 * GIB, allocated_floor_bytes=60 * GIB)
+    step = step_memory(_gpu(2 * GIB), _engine(), allocator, PROFILE, TERMS, engine_used_bytes=62 * GIB)
+    assert step is not None
+    fitted = step.fitted(TERMS)
+    # The cache counts toward the fit, not toward the promise: a fragmented cache may not serve the step.
+    assert step.engine_bytes_after(fitted, TERMS) == 62 * GIB + step.need(fitted) + 256 * MIB
+    # An engine still running steps at the old budget outgrows it.
+    assert step.engine_bytes_after(fitted, TERMS) < 62 * GIB + step.need(CEILING)  # type: ignore[operator]
+    unknown = step_memory(_gpu(2 * GIB), _engine(), allocator, PROFILE, TERMS)
+    assert unknown is not None and unknown.engine_bytes_after(fitted, TERMS) is None
+
+
+def test_with_the_engines_processes_reported_a_cut_promises_the_engines_memory_not_the_devices() -> None:
+    clock = ManualClock(1_000_000.0)
+    engine = _gpu_engine(clock)
+    engine_bytes = TOTAL - 40 * GIB
+    for seq, (t, free) in enumerate([(0.0, 40 * GIB), (1.0, 2 * GIB)], start=1):
+        clock.set(1_000_000.0 + t)
+        commands = engine.observe(_sample(t, free, CEILING, seq)[0])
+        nvml = Sample(
+            TARGET,
+            t + 0.01,
+            f"g{seq}",
+            "nvml",
+            seq,
+            gpu=_gpu(free),
+            processes=(
+                ProcessMemory(7, engine_bytes, "VLLM::EngineCore", is_target_engine=True),
+                ProcessMemory(8, TOTAL - free - engine_bytes, "co-tenant"),
+            ),
+        )
+        commands += engine.observe(nvml)
+    assert [c.rule for c in commands] == ["step-budget-cut"]
+    promise = commands[0].promise
+    assert promise.gpu_memory_fraction_below is None
+    assert promise.engine_memory_bytes_below is not None
+    # The engine's memory now, plus a full step at the new budget (under 0.8 of the 2 GiB left), plus the reserve.
+    assert engine_bytes + 256 * MIB < promise.engine_memory_bytes_below < engine_bytes + 2 * GIB
 
 
 def _sample(t: float, free: int, budget: int, seq: int) -> list[Sample]:

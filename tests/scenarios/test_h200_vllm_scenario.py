@@ -155,12 +155,48 @@ def test_a_run_is_judged_by_its_death_its_first_warning_and_what_it_served() -> 
         "served_ratio_with": 1.0,
         "validator_ran": 1,
         "warning_lead_s_min": pytest.approx(5.1),
+        "verdicts_failed_only_on_device_memory": 0,
     }
     row = s["scenarios"][0]
     assert row["served_without"] == "4/10" and row["death_t_without"] == pytest.approx(16.1)
     run = next(r for r in s["runs"] if r["mode"] == "with")
     assert run["activation"]["largest_step_budget"] == 17152
     assert run["activation"]["measured_peak_minus_floor_bytes"] == 10 * GIB
+
+
+def test_a_cut_is_read_against_the_engines_own_memory_while_a_co_tenant_fills_the_device() -> None:
+    with_ = _run("with", died=False, warn_t=11.0, death_t=None, completed=10)
+    t0 = with_["t0"]
+
+    def nvml(t: float, engine_gib: float, other_gib: float) -> dict[str, Any]:
+        from google.protobuf.timestamp_pb2 import Timestamp
+
+        ts = Timestamp()
+        ts.FromNanoseconds(int((t0 + t) * 1e9))
+        return {
+            "meta": {"produced_at": ts.ToJsonString()},
+            "gpu": {"used_bytes": str(int((engine_gib + other_gib) * GIB)), "total_bytes": str(80 * GIB)},
+            "processes": [
+                {"pid": 7, "used_bytes": str(int(engine_gib * GIB)), "is_target_engine": True},
+                {"pid": 8, "used_bytes": str(int(other_gib * GIB))},
+            ],
+        }
+
+    # The co-tenant grows from 40 to 49 GiB after the cut; the engine stays at 30 GiB, then 30.25.
+    with_["records"]["metrics"] = [nvml(10.0 + i, 30.0 if i < 4 else 30.25, 40.0 + i) for i in range(10)]
+    with_["records"]["verdicts"] = [
+        {
+            "meta": {"produced_at": with_["records"]["commands"][0]["meta"]["produced_at"]},
+            "verdict": "VERDICT_NOT_KEPT",
+            "checks": [{"name": "no_oom", "passed": True}, {"name": "gpu_memory_below", "observed": 0.99}],
+        }
+    ]
+    s = report.summarize([_run("without", died=True, warn_t=11.0, death_t=16.1, completed=4), with_])
+    run = next(r for r in s["runs"] if r["mode"] == "with")
+    [after] = run["engine_memory_after_commands"]
+    assert after["engine_bytes_at_command"] == 30 * GIB and after["growth_bytes"] == GIB // 4
+    assert s["totals"]["engine_memory_growth_after_cuts_max_bytes"] == GIB // 4
+    assert s["totals"]["verdicts_failed_only_on_device_memory"] == 1
 
 
 def test_the_estimator_is_checked_against_vllms_profile_and_the_measured_slope() -> None:

@@ -110,6 +110,33 @@ def test_gpu_memory_is_judged_on_gpu_samples_only() -> None:
     assert memory.passed and memory.observed == 0.88 and memory.threshold == 0.9
 
 
+def test_a_budget_cut_is_judged_on_the_engines_own_memory_not_on_a_co_tenant_filling_the_device() -> None:
+    # The H100 runs of 2026-12-06: after the cut a co-tenant took back all the device freed (99% used),
+    # while the engine's own memory stayed where the cut left it. The cut kept its promise.
+    gib = 1 << 30
+    v = Validator()
+    p = pending(kind="SET_ENGINE_LIMITS", promise=Promise(engine_memory_bytes_below=27 * gib))
+    for i in range(7):
+        engine(v, 100.0 + i, 0.0)
+        v.observe_gpu_memory(KEY, 100.0 + i, 0.993)
+        v.observe_engine_memory(KEY, 100.0 + i, 26 * gib + i * (1 << 20))
+    judgement = v.judge(p, Probed(engine_healthy=True))
+    assert judgement.outcome is Outcome.CONFIRMED
+    held = check(judgement, "engine_memory_below")
+    assert held.passed and held.observed == 26 * gib + 6 * (1 << 20) and held.threshold == 27 * gib
+    assert "gpu_memory_below" not in {c.name for c in judgement.checks}
+    # The engine itself grew past what a full step at its new budget needs: the cut did not hold.
+    v.observe_engine_memory(KEY, 105.5, 28 * gib)
+    grown = v.judge(p, Probed(engine_healthy=True))
+    assert grown.outcome is Outcome.NOT_KEPT and not check(grown, "engine_memory_below").passed
+    # No sample names the engine's processes: the term is not measured.
+    quiet = Validator()
+    for i in range(7):
+        quiet.observe_engine(KEY, EngineObservation(100.0 + i, 0.0, 0.0, 0, 4))
+        quiet.observe_engine_memory(KEY, 100.0 + i, 0)
+    assert "engine_memory_below" not in {c.name for c in quiet.judge(p).checks}
+
+
 def test_p0_refusals_are_counted_over_the_window() -> None:
     v = Validator()
     for i in range(7):

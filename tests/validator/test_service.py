@@ -44,6 +44,9 @@ def sample(at: float, fraction: float) -> events_pb2.MetricSample:
     s = events_pb2.MetricSample(meta=new_meta("capture", TARGET, at))
     s.gpu.total_bytes = 100 << 30
     s.gpu.used_bytes = int(fraction * (100 << 30))
+    # The engine holds 30 GiB of it; a co-tenant the rest.
+    s.processes.add(pid=7, used_bytes=30 << 30, name="VLLM::EngineCore", is_target_engine=True)
+    s.processes.add(pid=8, used_bytes=s.gpu.used_bytes - (30 << 30), name="co-tenant")
     return s
 
 
@@ -73,6 +76,11 @@ async def test_failed_promise_is_rolled_back_and_audited(settings: Settings, top
             await producer.publish(
                 topics.results, result("cut", t0, watermark=0.5, direction=events_pb2.CHANGE_DIRECTION_TIGHTEN)
             )
+            # A step-budget cut promises the engine's own memory: kept, whatever the co-tenant holds.
+            step_cut = result("step-cut", t0, watermark=0.5, direction=events_pb2.CHANGE_DIRECTION_TIGHTEN)
+            step_cut.promise.ClearField("gpu_memory_fraction_below")
+            step_cut.promise.engine_memory_bytes_below = 31 << 30
+            await producer.publish(topics.results, step_cut)
             for i in range(6):
                 await producer.publish(topics.metrics, sample(t0 + i, 0.8))
             consumer = EventConsumer(
@@ -85,18 +93,18 @@ async def test_failed_promise_is_rolled_back_and_audited(settings: Settings, top
             stop = asyncio.Event()
             async with consumer:
                 task = asyncio.create_task(consumer.run(stop))
-                assert await eventually(lambda: len(service.validator.pending) == 3)
+                assert await eventually(lambda: len(service.validator.pending) == 4)
                 # Let the samples arrive too, then move past the settle window.
-                assert await eventually(lambda: consumer.stats.handled + consumer.stats.coalesced >= 9)
+                assert await eventually(lambda: consumer.stats.handled + consumer.stats.coalesced >= 10)
                 assert await service.judge_due() == 0, "nothing is judged before its settle window ends"
                 clock.advance(5.0)
-                assert await service.judge_due() == 3
+                assert await service.judge_due() == 4
                 stop.set()
                 await task
 
-            streamed = [await asyncio.wait_for(live.read(), 5) for _ in range(3)]
+            streamed = [await asyncio.wait_for(live.read(), 5) for _ in range(4)]
             live.cancel()
-            assert {v.action_id for v in streamed} == {"good", "bad", "cut"}
+            assert {v.action_id for v in streamed} == {"good", "bad", "cut", "step-cut"}
 
             bad = await stub.GetVerdict(validator_pb2.GetVerdictRequest(action_id="bad"))
             good = await stub.GetVerdict(validator_pb2.GetVerdictRequest(action_id="good"))
@@ -109,6 +117,10 @@ async def test_failed_promise_is_rolled_back_and_audited(settings: Settings, top
             cut = await stub.GetVerdict(validator_pb2.GetVerdictRequest(action_id="cut"))
             assert cut.verdict == events_pb2.VERDICT_NOT_KEPT and not cut.rollback_command_id
             assert cut.direction == events_pb2.CHANGE_DIRECTION_TIGHTEN
+            step = await stub.GetVerdict(validator_pb2.GetVerdictRequest(action_id="step-cut"))
+            assert step.verdict == events_pb2.VERDICT_CONFIRMED
+            held = next(c for c in step.checks if c.name == "engine_memory_below")
+            assert held.observed == 30 << 30 and held.threshold == 31 << 30
 
             listed = await stub.ListVerdicts(
                 validator_pb2.ListVerdictsRequest(target=TARGET, verdict=events_pb2.VERDICT_ROLLED_BACK)
@@ -132,6 +144,6 @@ async def test_failed_promise_is_rolled_back_and_audited(settings: Settings, top
     assert [c.command_id for c in rollbacks] == ["rollback-bad"]
     assert rollbacks[0].kind == events_pb2.ACTION_KIND_ROLLBACK
     assert rollbacks[0].rollback.action_id == "bad"
-    verdicts = await read_all(settings, topics.validation, 4, timeout_s=3)
+    verdicts = await read_all(settings, topics.validation, 5, timeout_s=3)
     ids = [events_pb2.ValidationVerdict.FromString(r.value).verdict_id for r in verdicts]
-    assert sorted(ids) == ["verdict-bad", "verdict-cut", "verdict-good"]
+    assert sorted(ids) == ["verdict-bad", "verdict-cut", "verdict-good", "verdict-step-cut"]

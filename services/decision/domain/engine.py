@@ -404,6 +404,7 @@ class DecisionEngine:
             window.latest_allocator,
             self._profiles.get(state.target.engine),
             self._step_terms(),
+            engine_used_bytes=window.latest_engine_bytes,
         )
 
     def _step_holds(self, when: Conditions, ctx: _Context, margin: float) -> bool:
@@ -654,15 +655,20 @@ class DecisionEngine:
             memory_limit = spec.forecast.limit_fraction if rule.when.time_to_limit_below_s is not None else None
             budget = params.get("max_num_scheduled_tokens")
             fitted = any(isinstance(a, SetEngineLimits) and a.fit_token_budget for a in rule.then)
+            engine_limit = None
             if fitted and step is not None and isinstance(budget, int):
                 # Derived from the cut: memory now, plus what a full step at the new budget takes
-                # beyond the engine's cache, plus the reserve.
-                memory_limit = step.device_fraction_after(budget, self._step_terms())
+                # beyond the engine's cache, plus the reserve. On the engine's own memory where NVML
+                # reports it: a co-tenant that fills the device breaks no promise of this engine's cut.
+                terms = self._step_terms()
+                engine_limit = step.engine_bytes_after(budget, terms)
+                memory_limit = None if engine_limit is not None else step.device_fraction_after(budget, terms)
             return Promise(
                 settle_s=spec.promises.engine_limits_settle_s,
                 engine_alive=True,
                 # A memory rule promises memory under the line the forecast calls OOM; judged on GPU memory only.
                 gpu_memory_fraction_below=memory_limit,
+                engine_memory_bytes_below=engine_limit,
                 preemptions_per_s_below=spec.promises.max_preemptions_per_s,
                 running_at_most=int(cap) if isinstance(cap, int) else None,
             )

@@ -52,6 +52,8 @@ class StepMemory:
     device_total_bytes: int
     # What the engine's allocator holds that the next step can reuse without asking the device.
     reusable_bytes: int
+    # The engine's own device memory (NVML, its processes); 0: not reported.
+    engine_used_bytes: int = 0
 
     def need(self, tokens: int) -> int:
         return math.ceil(self.per_token_bytes * tokens) + self.fixed_bytes
@@ -80,9 +82,26 @@ class StepMemory:
         budget change promises the validator (judged on NVML samples)."""
         if self.device_total_bytes <= 0:
             return 1.0
-        extra = max(0, self.need(budget) - self.reusable_bytes)
-        used = self.device_used_bytes + extra + terms.reserve_bytes
+        used = self.device_used_bytes + self._growth(budget, terms)
         return min(1.0, used / self.device_total_bytes)
+
+    def engine_bytes_after(self, budget: int, terms: StepBudgetTerms) -> int | None:
+        """The most the engine's own device memory may reach once a step at `budget` runs: its memory
+        now, plus one full step, plus the reserve; None when the engine's processes are not reported.
+
+        What a cut promises: other tenants may still fill the device, which no budget of this engine
+        can prevent. The allocator's cache is not credited here as it is in the fit: a fragmented
+        cache may not serve the step (seen on the H100, 2026-12-06: the engine grew 360 MiB with
+        6.1 GiB cached beyond its floor), and only an engine that ran a step larger than the new
+        budget grows by more than one such step.
+        """
+        if self.engine_used_bytes <= 0:
+            return None
+        return self.engine_used_bytes + self.need(budget) + terms.reserve_bytes
+
+    def _growth(self, budget: int, terms: StepBudgetTerms) -> int:
+        """What the engine may still take from the device for a full step at `budget`."""
+        return max(0, self.need(budget) - self.reusable_bytes) + terms.reserve_bytes
 
 
 def step_memory(
@@ -91,6 +110,7 @@ def step_memory(
     allocator: AllocatorStats | None,
     profile: EngineProfile | None,
     terms: StepBudgetTerms,
+    engine_used_bytes: int = 0,
 ) -> StepMemory | None:
     """The engine's step memory, or None when a figure it needs is unknown (then no rule acts on it)."""
     if gpu is None or engine is None or profile is None or gpu.total_bytes <= 0:
@@ -124,4 +144,5 @@ def step_memory(
         device_used_bytes=gpu.used_bytes,
         device_total_bytes=gpu.total_bytes,
         reusable_bytes=reusable,
+        engine_used_bytes=engine_used_bytes,
     )

@@ -166,6 +166,8 @@ class TargetWindow:
         self.latest_plugin: EngineLoad | None = None
         self.latest_plugin_t = -math.inf
         self.latest_allocator: AllocatorStats | None = None
+        # The engine's own device memory in the latest sample that listed processes (0: never seen).
+        self.latest_engine_bytes = 0
         self.latest_t = -math.inf
         self._gpu_t = -math.inf
         self._sequences: dict[str, int] = {}
@@ -213,6 +215,9 @@ class TargetWindow:
             self.latest_gpu = gpu
             self._gpu_t = max(self._gpu_t, t)
             self.memory.add(t, gpu.used_bytes / gpu.total_bytes)
+        engine_bytes = sum(p.used_bytes for p in sample.processes if p.is_target_engine)
+        if engine_bytes > 0:
+            self.latest_engine_bytes = engine_bytes
         if sample.engine is not None:
             self.latest_engine = sample.engine
             if sample.engine.tiers:
