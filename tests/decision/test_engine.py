@@ -1,5 +1,6 @@
 import math
 import random
+import re
 
 import pytest
 
@@ -7,7 +8,7 @@ from services.decision.convert import command_to_pb
 from services.decision.domain.admission import EngineProfile
 from services.decision.domain.engine import DecisionEngine
 from services.decision.domain.kv_model import known_model
-from services.decision.domain.policy import Policy, parse_policy
+from services.decision.domain.policy import Policy, PolicyError, parse_policy
 from services.decision.domain.types import (
     EngineLoad,
     OomEvent,
@@ -16,7 +17,7 @@ from services.decision.domain.types import (
 )
 from sits.runtime.clock import ManualClock
 from sits.runtime.contract import ActionKind, Tier
-from tests.decision.decision_builders import GIB, TARGET, TOTAL, make_sample
+from tests.decision.decision_builders import GIB, TARGET, TOTAL, make_sample, rules_policy_text
 
 
 def _run(
@@ -108,13 +109,56 @@ def test_cooldown_and_hysteresis_stop_flapping(rules_engine: DecisionEngine, clo
         fired += engine.observe(make_sample(t, 0.5, engine=EngineLoad(kv_cache_usage=usage)))
     assert [c.kind for c in fired] == [ActionKind.SHED_PRIORITY]
     assert fired[0].params["priority"] == "P2"
-    # Falling well below the threshold clears the latch and closes the breaker, once.
+    # Falling well below the threshold clears the latch and, once it stayed clear for the policy's
+    # hold (60 s), closes the breaker, once.
     cleared = []
-    for i in range(100):
+    for i in range(140):
         t = 200 + i * 0.5
         clock.set(1_000_000.0 + t)
-        cleared += engine.observe(make_sample(t, 0.5, engine=EngineLoad(kv_cache_usage=0.5)))
-    assert [(c.kind, c.params["state"]) for c in cleared] == [(ActionKind.SHED_PRIORITY, "CLOSED")]
+        cleared += [(t, c) for c in engine.observe(make_sample(t, 0.5, engine=EngineLoad(kv_cache_usage=0.5)))]
+    assert [(c.kind, c.params["state"]) for _, c in cleared] == [(ActionKind.SHED_PRIORITY, "CLOSED")]
+    assert cleared[0][0] >= 260.0
+
+
+def test_an_undo_waits_out_its_hold_and_a_rule_that_flaps_holds_twice_as_long(clock: ManualClock) -> None:
+    # The demo's cycle: a limit makes its own condition clear (the cap stops the KV cache filling), the
+    # undo lets it fill again, the rule fires again. With a hold, the undo waits until the condition has
+    # stayed clear for clear_hold_s; a rule that fires again soon after its undo holds twice as long.
+    text = re.sub(r"  clear_hold_s: \d+", "  clear_hold_s: 20", rules_policy_text())
+    assert "clear_hold_s: 20" in text
+    engine = DecisionEngine(parse_policy(text), clock)
+    moves: list[tuple[float, str]] = []
+    t = 0.0
+
+    def feed(seconds: float, usage: float) -> None:
+        nonlocal t
+        for _ in range(int(seconds * 2)):
+            clock.set(1_000_000.0 + t)
+            for c in engine.observe(make_sample(t, 0.5, engine=EngineLoad(kv_cache_usage=usage))):
+                moves.append((t, str(c.params["state"])))
+            t += 0.5
+
+    feed(5, 0.95)  # shed
+    feed(10, 0.5)  # clear for 10 s: still held
+    feed(3, 0.95)  # the pressure comes back inside the hold: the latch stays, no second shed
+    feed(19, 0.5)  # 19 s clear: not yet
+    assert [m for _, m in moves] == ["OPEN"]
+    feed(2, 0.5)  # 20 s clear: undone
+    assert [m for _, m in moves] == ["OPEN", "CLOSED"]
+    undone = moves[-1][0]
+    feed(31, 0.95)  # fires again (its cooldown is 30 s): a flap
+    assert [m for _, m in moves] == ["OPEN", "CLOSED", "OPEN"]
+    fired = moves[-1][0]
+    feed(45, 0.5)
+    assert [m for _, m in moves][-1] == "CLOSED"
+    # The second hold is 40 s, not 20.
+    assert moves[-1][0] - fired >= 40.0 and fired - undone < 300.0
+
+
+def test_a_hold_above_its_bound_is_refused() -> None:
+    text = re.sub(r"  clear_hold_s: \d+", "  clear_hold_s: 700", rules_policy_text())
+    with pytest.raises(PolicyError, match="clear_hold_s"):
+        parse_policy(text)
 
 
 def test_never_two_commands_for_one_target_inside_its_cooldown(rules_policy: Policy, clock: ManualClock) -> None:

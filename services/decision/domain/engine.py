@@ -96,6 +96,11 @@ class _TargetState:
     root_cause_t: float = -math.inf
     latched: dict[str, float] = field(default_factory=dict)
     pending_clear: dict[str, Rule] = field(default_factory=dict)
+    # Flap damping of rules with an undo: since when a latched rule's conditions have been clear,
+    # when each was last undone, and how many times in a row it fired again soon after its undo.
+    clear_since: dict[str, float] = field(default_factory=dict)
+    undone_t: dict[str, float] = field(default_factory=dict)
+    flaps: dict[str, int] = field(default_factory=dict)
     last_command: PlannedCommand | None = None
     ooms: int = 0
     last_oom_t: float = -math.inf
@@ -201,6 +206,9 @@ class DecisionEngine:
                 del state.latched[name]
             for name in [n for n in state.pending_clear if n not in names]:
                 del state.pending_clear[name]
+            for table in (state.clear_since, state.undone_t, state.flaps):
+                for name in [n for n in table if n not in names]:
+                    del table[name]
 
     def set_profile(self, engine: str, profile: EngineProfile) -> None:
         self._profiles[engine] = profile
@@ -286,6 +294,8 @@ class DecisionEngine:
                 "target": [state.target.host, state.target.gpu_uuid, state.target.mig_instance, state.target.engine],
                 "latched": dict(state.latched),
                 "pending_clear": list(state.pending_clear),
+                "undone_t": dict(state.undone_t),
+                "flaps": dict(state.flaps),
                 "ooms": state.ooms,
                 "last_oom_t": state.last_oom_t,
                 "budget": budget_to_dict(state.budget),
@@ -309,6 +319,8 @@ class DecisionEngine:
             state = self._state(Target(host, gpu, mig, engine))
             state.latched.update({str(k): float(v) for k, v in data.get("latched", {}).items() if k in rules})
             state.pending_clear.update({n: rules[n] for n in data.get("pending_clear", []) if n in rules})
+            state.undone_t.update({str(k): float(v) for k, v in data.get("undone_t", {}).items() if k in rules})
+            state.flaps.update({str(k): int(v) for k, v in data.get("flaps", {}).items() if k in rules})
             state.ooms = max(state.ooms, int(data.get("ooms", 0)))
             state.last_oom_t = max(state.last_oom_t, float(data.get("last_oom_t", -math.inf)))
             if state.budget.last_sent_t == -math.inf and "budget" in data:
@@ -441,10 +453,16 @@ class DecisionEngine:
             if oom is None:
                 if name in state.latched:
                     if self._holds(rule.when, ctx, relaxed=True):
+                        state.clear_since.pop(name, None)
                         continue
-                    del state.latched[name]
                     if rule.on_clear:
+                        since = state.clear_since.setdefault(name, t)
+                        if t - since < self._clear_hold(state, name):
+                            continue
                         state.pending_clear[name] = rule
+                        state.undone_t[name] = t
+                    del state.latched[name]
+                    state.clear_since.pop(name, None)
                     continue
                 if not self._holds(rule.when, ctx, relaxed=False):
                     continue
@@ -455,6 +473,7 @@ class DecisionEngine:
                 commands.extend(planned)
                 if oom is None:
                     state.latched[name] = t
+                    self._count_flap(state, name, t)
                 state.pending_clear.pop(name, None)
         after_oom = t < state.last_oom_t + self._policy.spec.controller.no_loosen_after_oom_s
         for name, rule in list(state.pending_clear.items()):
@@ -467,6 +486,21 @@ class DecisionEngine:
         if commands:
             state.last_command = commands[-1]
         return commands
+
+    def _clear_hold(self, state: _TargetState, name: str) -> float:
+        """How long a latched rule's conditions must stay clear before its undo: doubled per flap."""
+        defaults = self._policy.spec.defaults
+        if defaults.clear_hold_s <= 0.0:
+            return 0.0
+        return min(defaults.max_clear_hold_s, defaults.clear_hold_s * 2.0 ** state.flaps.get(name, 0))
+
+    def _count_flap(self, state: _TargetState, name: str, t: float) -> None:
+        """A rule firing again soon after its undo flaps: its next hold doubles. Long quiet resets it."""
+        undone = state.undone_t.get(name)
+        if undone is not None and t - undone < self._policy.spec.defaults.max_clear_hold_s:
+            state.flaps[name] = state.flaps.get(name, 0) + 1
+        else:
+            state.flaps.pop(name, None)
 
     def _plan(
         self,

@@ -61,8 +61,23 @@ class Defaults(_Strict):
     hysteresis: Fraction = 0.03
     # ...and its time-to-limit condition by this many seconds.
     hysteresis_s: float = Field(default=30.0, ge=0.0, le=3600.0)
+    # A latched rule with an undo (`on_clear`) undoes only once its conditions stayed clear this long,
+    # as Kubernetes' HPA waits out a scale-down stabilization window: a limit that made its own
+    # condition clear (a running cap stops the KV cache filling) is no proof the pressure has gone.
+    clear_hold_s: float = Field(default=0.0, ge=0.0, le=3600.0)
+    # Flap damping: each time such a rule fires again within this long of its undo, its next hold
+    # doubles, up to this.
+    max_clear_hold_s: float = Field(default=300.0, ge=0.0, le=86400.0)
     target_memory_fraction: float = Field(default=0.9, gt=0.0, le=1.0)
     root_cause_interval_s: float = Field(default=5.0, gt=0.0, le=600.0)
+
+    @model_validator(mode="after")
+    def _hold_within_its_bound(self) -> Defaults:
+        if self.clear_hold_s > self.max_clear_hold_s:
+            raise ValueError(
+                f"clear_hold_s ({self.clear_hold_s:g}) is above max_clear_hold_s ({self.max_clear_hold_s:g})"
+            )
+        return self
 
 
 class ControllerSettings(_Strict):
