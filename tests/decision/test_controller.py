@@ -211,6 +211,52 @@ def test_no_oscillation_on_a_noisy_signal() -> None:
     worst = max((sum(1 for r in reversals if t <= r < t + 60) for t in reversals), default=0)
     assert worst <= 2, (worst, changes)
     assert len(changes) < 40, changes
+    # The same of each tier's limit, which is what Envoy enforces and the demo counts.
+    for tier in (P1, P2):
+        limits = [c.limits[tier] for _, c in sent if c.move is not Move.RENEW and tier in c.limits]
+        times = [t for t, c in sent if c.move is not Move.RENEW and tier in c.limits]
+        turns = [
+            t for t, a, b, c in zip(times[2:], limits, limits[1:], limits[2:], strict=False) if (b - a) * (c - b) < 0
+        ]
+        assert max((sum(1 for r in turns if t <= r < t + 60) for t in turns), default=0) <= 2, (tier, limits)
+
+
+def test_a_decrease_holds_increases_off_and_the_next_one_soon_after_doubles_the_hold() -> None:
+    controller, state = TierController(SETTINGS), BudgetState(budget=8)
+    bad = lambda t: signals(t, p0_p90=0.3, p1=(3, 0), p2=(4, 0))  # noqa: E731
+
+    def good(t: float) -> EngineSignals:
+        used = state.budget or 0
+        return signals(t, p0_p90=0.01, p1=(used - used // 2, 0), p2=(used // 2, 0))
+
+    cut = [c for _, c in run(controller, state, bad, 0.0, 1.0) if c.move is Move.DECREASE]
+    assert len(cut) == 1 and state.budget == 4
+    # P0 is comfortable again at once, with room: still no increase for the backoff.
+    held = run(controller, state, good, 1.0, SETTINGS.backoff_s - 1.0)
+    assert all(c.move is Move.RENEW for _, c in held), [c.move for _, c in held]
+    up = controller.tick(state, good(1.0 + SETTINGS.backoff_s), 1.0 + SETTINGS.backoff_s)
+    assert up is not None and up.move is Move.INCREASE
+    # Missing again soon after: the next hold is twice as long.
+    t = 1.0 + SETTINGS.backoff_s + 0.5
+    state.last_settle_s = 0.0
+    again = [c for _, c in run(controller, state, bad, t, 1.0) if c.move is Move.DECREASE]
+    assert again and state.backoff_s == 2 * SETTINGS.backoff_s
+    assert state.hold_increase_until >= t + 2 * SETTINGS.backoff_s - SETTINGS.tick_s
+
+
+def test_each_tiers_limit_moves_the_budgets_way() -> None:
+    # P1 grew in the engine since the last split: counted afresh, an increase would lower P2's limit.
+    controller, state = TierController(SETTINGS), BudgetState(budget=6, limits={P1: 5, P2: 2})
+    up = controller.tick(state, signals(0.0, p1=(5, 0), p2=(1, 0)), 0.0)
+    assert up is not None and up.move is Move.INCREASE and state.budget == 7
+    fresh = split_budget(7, CAP + SETTINGS.lookahead, SETTINGS.p1_share, p1_in_engine=5)
+    assert fresh[P2] < 2, fresh  # what the split alone would send
+    assert up.limits[P2] == 2 and up.limits[P1] == 6
+    # A cut never raises a tier's limit.
+    state.last_settle_s = 0.0
+    down = [c for _, c in run(controller, state, lambda t: signals(t, p0_p90=0.3, p1=(1, 0), p2=(1, 0)), 1.0, 1.0)]
+    cut = [c for c in down if c.move is Move.DECREASE]
+    assert cut and all(cut[0].limits[t] <= up.limits[t] for t in (P1, P2)), cut[0].limits
 
 
 def test_p2_alone_behind_p0_is_never_starved_by_an_absent_p1() -> None:

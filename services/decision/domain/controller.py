@@ -31,8 +31,10 @@ How it moves (AIMD with a dead band, paced by validation):
   (under half of it), nothing of the lower tiers waiting, a free running slot,
   a tier at its limit (or held at zero) and the budget no higher than the
   trim's level, and only once the last change was confirmed by the
-  validator (or its settle window passed with no verdict). A rollback of an
-  increase holds increases off for a backoff that doubles each time;
+  validator (or its settle window passed with no verdict). A decrease, or a
+  rollback of an increase, holds increases off for a backoff that doubles each
+  time until a quiet spell; every change moves each tier's limit the budget's
+  way only;
 - release: a budget at its ceiling and not used for `release_after_s` hands
   Envoy back its defaults.
 Between these, it holds, and renews the lease every third of it: a decision
@@ -157,6 +159,7 @@ class BudgetState:
     awaiting_until: float = -math.inf
     hold_increase_until: float = -math.inf
     backoff_s: float = 0.0
+    last_backoff_t: float = -math.inf
     last_sent_t: float = -math.inf
     unused_since: float | None = None
     last_oom_t: float = -math.inf
@@ -231,10 +234,7 @@ class TierController:
         state.awaiting_verdict = ""
         if outcome == "ROLLED_BACK":
             # The executor put the previous budget back; do not try that increase again soon.
-            state.backoff_s = min(self.settings.max_backoff_s, max(self.settings.backoff_s, state.backoff_s * 2))
-            state.hold_increase_until = now + state.backoff_s
-        elif outcome == "CONFIRMED" and state.last_move is not None and state.last_move.loosens:
-            state.backoff_s = 0.0
+            self._hold_increases(state, now)
         elif outcome == "NOT_KEPT":
             # A cut that did not bring P0 back: the next cut need not wait for another drain.
             state.last_settle_s = 0.0
@@ -361,6 +361,12 @@ class TierController:
             excess = s.increase_step
         else:
             excess = max(1, signals.lower_running + signals.lower_waiting - budget)
+        if budget is not None and state.budget is not None and state.limits:
+            # One direction for every tier: the split follows what P1 has in the engine, so counted
+            # afresh an increase could lower P2's limit (and a cut raise it), and each tier's limit
+            # would saw back and forth while the budget moves one way.
+            pick = max if budget > state.budget else min
+            limits = {t: pick(v, state.limits.get(t, v)) for t, v in limits.items()}
         drain = move in (Move.ENGAGE, Move.DECREASE, Move.TRIM) and s.drain_backlog
         return BudgetCommand(move, budget, limits, reason, self._settle_for(state, excess), drain_backlog=drain)
 
@@ -375,8 +381,21 @@ class TierController:
             state.saturated_ticks = 0
         state.unused_since = None
         state.awaiting_until = now + command.settle_s + self.settings.tick_s
+        if command.move is Move.DECREASE:
+            self._hold_increases(state, now)
         state.history.append((now, command.move, command.budget))
         del state.history[:-64]
+
+    def _hold_increases(self, state: BudgetState, now: float) -> None:
+        """The increases before overshot (P0 missed its objective, or an increase was rolled back): no
+        increase for the backoff, doubled at each such event since the last quiet spell of
+        `max_backoff_s`. Climbing straight back to the level that failed makes a sawtooth of every
+        tier's limit (seen in make demo, 2026-12-06: 4 reversals of P1's limit in 21 s)."""
+        s = self.settings
+        quiet = now - state.last_backoff_t >= s.max_backoff_s
+        state.backoff_s = s.backoff_s if quiet else min(s.max_backoff_s, max(s.backoff_s, state.backoff_s * 2))
+        state.hold_increase_until = max(state.hold_increase_until, now + state.backoff_s)
+        state.last_backoff_t = now
 
     def expect_verdict(self, state: BudgetState, command_id: str) -> None:
         state.awaiting_verdict = command_id
