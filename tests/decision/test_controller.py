@@ -244,6 +244,20 @@ def test_a_decrease_holds_increases_off_and_the_next_one_soon_after_doubles_the_
     assert state.hold_increase_until >= t + 2 * SETTINGS.backoff_s - SETTINGS.tick_s
 
 
+def test_a_trim_holds_increases_off_too() -> None:
+    controller, state = TierController(SETTINGS), BudgetState(budget=8)
+    queued = lambda t: signals(t, p1=(2, 3), p2=(2, 3))  # noqa: E731
+    trims = [c for _, c in run(controller, state, queued, 0.0, 1.0) if c.move is Move.TRIM]
+    assert trims and state.budget == 4 + SETTINGS.lookahead
+
+    def roomy(t: float) -> EngineSignals:
+        used = state.budget or 0
+        return signals(t, p1=(used - used // 2 - 1, 0), p2=(used // 2, 0))
+
+    held = run(controller, state, roomy, 1.0, SETTINGS.backoff_s - 1.5)
+    assert all(c.move is Move.RENEW for _, c in held), [c.move for _, c in held]
+
+
 def test_each_tiers_limit_moves_the_budgets_way() -> None:
     # P1 grew in the engine since the last split: counted afresh, an increase would lower P2's limit.
     controller, state = TierController(SETTINGS), BudgetState(budget=6, limits={P1: 5, P2: 2})

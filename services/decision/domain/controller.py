@@ -31,8 +31,8 @@ How it moves (AIMD with a dead band, paced by validation):
   (under half of it), nothing of the lower tiers waiting, a free running slot,
   a tier at its limit (or held at zero) and the budget no higher than the
   trim's level, and only once the last change was confirmed by the
-  validator (or its settle window passed with no verdict). A decrease, or a
-  rollback of an increase, holds increases off for a backoff that doubles each
+  validator (or its settle window passed with no verdict). A decrease, a trim
+  or a rollback of an increase holds increases off for a backoff that doubles each
   time until a quiet spell; every change moves each tier's limit the budget's
   way only;
 - release: a budget at its ceiling and not used for `release_after_s` hands
@@ -381,16 +381,17 @@ class TierController:
             state.saturated_ticks = 0
         state.unused_since = None
         state.awaiting_until = now + command.settle_s + self.settings.tick_s
-        if command.move is Move.DECREASE:
+        if command.move in (Move.DECREASE, Move.TRIM):
             self._hold_increases(state, now)
         state.history.append((now, command.move, command.budget))
         del state.history[:-64]
 
     def _hold_increases(self, state: BudgetState, now: float) -> None:
-        """The increases before overshot (P0 missed its objective, or an increase was rolled back): no
-        increase for the backoff, doubled at each such event since the last quiet spell of
-        `max_backoff_s`. Climbing straight back to the level that failed makes a sawtooth of every
-        tier's limit (seen in make demo, 2026-12-06: 4 reversals of P1's limit in 21 s)."""
+        """The increases before overshot (P0 missed its objective, the lower tiers queued beyond the
+        lookahead, or an increase was rolled back): no increase for the backoff, doubled at each such
+        event since the last quiet spell of `max_backoff_s`. Climbing straight back to the level that
+        failed makes a sawtooth of every tier's limit (seen in make demo, 2026-12-06: 4 reversals of
+        P1's limit in 21 s; in bench/overload a trim was followed by an increase 3.6 s later)."""
         s = self.settings
         quiet = now - state.last_backoff_t >= s.max_backoff_s
         state.backoff_s = s.backoff_s if quiet else min(s.max_backoff_s, max(s.backoff_s, state.backoff_s * 2))
