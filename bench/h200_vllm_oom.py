@@ -192,7 +192,7 @@ def build(
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=Path, default=RESULTS / "h200_vllm_oom_runs.json")
-    p.add_argument("--overhead", type=Path, default=RESULTS / "h200_vllm_overhead.json", help="'' for none")
+    p.add_argument("--overhead", default=str(RESULTS / "h200_vllm_overhead.json"), help="'' for none")
     p.add_argument("--measured-at", default="2026-12-04T00:44:37Z")
     p.add_argument("--name", default=NAME, help="the result's name (another device than the H200: say which)")
     p.add_argument("--machine", default="NVIDIA H200 (143771 MiB, driver 580.159.04), vLLM 0.26.0, torch 2.11.0+cu130")
@@ -204,7 +204,7 @@ def main() -> int:
         "allocator empties its cache and grows it again, so its peak minus floor no longer measures one step",
     )
     args = p.parse_args()
-    overhead = json.loads(args.overhead.read_text()) if str(args.overhead) not in ("", ".") else {}
+    overhead = json.loads(Path(args.overhead).read_text()) if args.overhead else {}
     figures, baseline = build(json.loads(args.runs.read_text()), overhead, not args.profile_only_estimator)
     path = write_result(
         args.name,

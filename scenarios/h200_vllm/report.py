@@ -121,14 +121,19 @@ def served(run: dict[str, Any]) -> tuple[int, int]:
     return sum(1 for o in outcomes if o.get("completed")), len(outcomes)
 
 
+def _engine_bytes(raw: dict[str, Any], pids: set[str]) -> int:
+    """One recorded sample's device memory of the engine's processes (flagged, or among its pids)."""
+    procs = raw.get("processes") or []
+    return sum(int(p.get("used_bytes", 0)) for p in procs if p.get("is_target_engine") or str(p.get("pid")) in pids)
+
+
 def engine_memory(run: dict[str, Any]) -> list[tuple[float, int]]:
     """The engine's own device memory over the run (NVML, its processes), seconds from t0."""
     t0 = float(run.get("t0") or 0.0)
     pids = {str(p) for p in _engine_pids(run)}
     series = []
     for raw in run.get("records", {}).get("metrics", []):
-        procs = raw.get("processes") or []
-        mine = sum(int(p.get("used_bytes", 0)) for p in procs if p.get("is_target_engine") or str(p.get("pid")) in pids)
+        mine = _engine_bytes(raw, pids)
         t = _rel(raw.get("meta", {}).get("produced_at"), t0)
         if mine > 0 and t is not None:
             series.append((t, mine))
@@ -333,13 +338,8 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
             t = _rel(raw.get("meta", {}).get("produced_at"), t0)
             if t is None:
                 continue
-            procs = raw.get("processes", [])
-            mine = sum(
-                int(p.get("used_bytes", 0))
-                for p in procs
-                if p.get("is_target_engine") or str(p.get("pid")) in engine_pids
-            )
-            rest = sum(int(p.get("used_bytes", 0)) for p in procs) - mine
+            mine = _engine_bytes(raw, engine_pids)
+            rest = sum(int(p.get("used_bytes", 0)) for p in raw.get("processes", [])) - mine
             ts_.append(t)
             used.append(int(gpu.get("used_bytes", 0)) / gib)
             eng.append(mine / gib)

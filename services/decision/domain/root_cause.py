@@ -81,8 +81,8 @@ def _kv_usage(s: Sample) -> float | None:
 
 
 def _target_process(s: Sample) -> float | None:
-    own = [p.used_bytes for p in s.processes if p.is_target_engine]
-    return float(sum(own)) if own else None
+    own = s.engine_process_bytes
+    return None if own is None else float(own)
 
 
 def _outside_allocator(s: Sample) -> float | None:

@@ -82,7 +82,8 @@ class StepMemory:
         budget change promises the validator (judged on NVML samples)."""
         if self.device_total_bytes <= 0:
             return 1.0
-        used = self.device_used_bytes + self._growth(budget, terms)
+        extra = max(0, self.need(budget) - self.reusable_bytes)
+        used = self.device_used_bytes + extra + terms.reserve_bytes
         return min(1.0, used / self.device_total_bytes)
 
     def engine_bytes_after(self, budget: int, terms: StepBudgetTerms) -> int | None:
@@ -98,10 +99,6 @@ class StepMemory:
         if self.engine_used_bytes <= 0:
             return None
         return self.engine_used_bytes + self.need(budget) + terms.reserve_bytes
-
-    def _growth(self, budget: int, terms: StepBudgetTerms) -> int:
-        """What the engine may still take from the device for a full step at `budget`."""
-        return max(0, self.need(budget) - self.reusable_bytes) + terms.reserve_bytes
 
 
 def step_memory(

@@ -114,6 +114,12 @@ class Sample:
     engine: EngineLoad | None = None
     allocator: AllocatorStats | None = None
 
+    @property
+    def engine_process_bytes(self) -> int | None:
+        """The target engine's own device memory (its processes); None when no process of it is listed."""
+        own = [p.used_bytes for p in self.processes if p.is_target_engine]
+        return sum(own) if own else None
+
 
 @dataclass(frozen=True, slots=True)
 class OomEvent:

@@ -215,8 +215,8 @@ class TargetWindow:
             self.latest_gpu = gpu
             self._gpu_t = max(self._gpu_t, t)
             self.memory.add(t, gpu.used_bytes / gpu.total_bytes)
-        engine_bytes = sum(p.used_bytes for p in sample.processes if p.is_target_engine)
-        if engine_bytes > 0:
+        engine_bytes = sample.engine_process_bytes
+        if engine_bytes:
             self.latest_engine_bytes = engine_bytes
         if sample.engine is not None:
             self.latest_engine = sample.engine
