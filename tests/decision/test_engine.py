@@ -14,10 +14,11 @@ from services.decision.domain.types import (
     OomEvent,
     PlannedCommand,
     RootCauseKind,
+    TierLoad,
 )
 from sits.runtime.clock import ManualClock
 from sits.runtime.contract import ActionKind, Tier
-from tests.decision.decision_builders import GIB, TARGET, TOTAL, make_sample, rules_policy_text
+from tests.decision.decision_builders import DEFAULT_POLICY, GIB, TARGET, TOTAL, make_sample, rules_policy_text
 
 
 def _run(
@@ -120,39 +121,133 @@ def test_cooldown_and_hysteresis_stop_flapping(rules_engine: DecisionEngine, clo
     assert cleared[0][0] >= 260.0
 
 
+class _KvFeed:
+    """One sample every 0.5 s at a KV usage (memory calm); keeps (t, command) for every command."""
+
+    def __init__(self, engine: DecisionEngine, clock: ManualClock) -> None:
+        self.engine, self.clock, self.t = engine, clock, 0.0
+        self.moves: list[tuple[float, PlannedCommand]] = []
+
+    def __call__(self, seconds: float, usage: float) -> None:
+        for _ in range(int(seconds * 2)):
+            self.clock.set(1_000_000.0 + self.t)
+            sample = make_sample(self.t, 0.5, engine=EngineLoad(kv_cache_usage=usage))
+            self.moves.extend((self.t, c) for c in self.engine.observe(sample))
+            self.t += 0.5
+
+    @property
+    def states(self) -> list[object]:
+        return [c.params["state"] for _, c in self.moves]
+
+
 def test_an_undo_waits_out_its_hold_and_a_rule_that_flaps_holds_twice_as_long(clock: ManualClock) -> None:
     # The demo's cycle: a limit makes its own condition clear (the cap stops the KV cache filling), the
     # undo lets it fill again, the rule fires again. With a hold, the undo waits until the condition has
     # stayed clear for clear_hold_s; a rule that fires again soon after its undo holds twice as long.
     text = re.sub(r"  clear_hold_s: \d+", "  clear_hold_s: 20", rules_policy_text())
     assert "clear_hold_s: 20" in text
-    engine = DecisionEngine(parse_policy(text), clock)
-    moves: list[tuple[float, str]] = []
-    t = 0.0
-
-    def feed(seconds: float, usage: float) -> None:
-        nonlocal t
-        for _ in range(int(seconds * 2)):
-            clock.set(1_000_000.0 + t)
-            for c in engine.observe(make_sample(t, 0.5, engine=EngineLoad(kv_cache_usage=usage))):
-                moves.append((t, str(c.params["state"])))
-            t += 0.5
-
+    feed = _KvFeed(DecisionEngine(parse_policy(text), clock), clock)
     feed(5, 0.95)  # shed
     feed(10, 0.5)  # clear for 10 s: still held
     feed(3, 0.95)  # the pressure comes back inside the hold: the latch stays, no second shed
     feed(19, 0.5)  # 19 s clear: not yet
-    assert [m for _, m in moves] == ["OPEN"]
+    assert feed.states == ["OPEN"]
     feed(2, 0.5)  # 20 s clear: undone
-    assert [m for _, m in moves] == ["OPEN", "CLOSED"]
-    undone = moves[-1][0]
+    assert feed.states == ["OPEN", "CLOSED"]
+    undone = feed.moves[-1][0]
     feed(31, 0.95)  # fires again (its cooldown is 30 s): a flap
-    assert [m for _, m in moves] == ["OPEN", "CLOSED", "OPEN"]
-    fired = moves[-1][0]
+    assert feed.states == ["OPEN", "CLOSED", "OPEN"]
+    fired = feed.moves[-1][0]
     feed(45, 0.5)
-    assert [m for _, m in moves][-1] == "CLOSED"
+    assert feed.states[-1] == "CLOSED"
     # The second hold is 40 s, not 20.
-    assert moves[-1][0] - fired >= 40.0 and fired - undone < 300.0
+    assert feed.moves[-1][0] - fired >= 40.0 and fired - undone < 300.0
+
+
+def test_an_undo_rolled_back_latches_its_rule_again_and_doubles_its_hold(clock: ManualClock) -> None:
+    text = re.sub(r"  clear_hold_s: \d+", "  clear_hold_s: 20", rules_policy_text())
+    engine = DecisionEngine(parse_policy(text), clock)
+    feed = _KvFeed(engine, clock)
+    feed(5, 0.95)
+    feed(21, 0.5)
+    assert feed.states == ["OPEN", "CLOSED"]
+    engine.observe_verdict(feed.moves[-1][1].command_id, "ROLLED_BACK", feed.t)  # the validator put the shed back
+    rolled_back = feed.t
+    feed(30, 0.5)
+    assert len(feed.moves) == 2, "undone again within the doubled hold"
+    feed(15, 0.5)
+    assert feed.states == ["OPEN", "CLOSED", "CLOSED"]
+    assert feed.moves[-1][0] - rolled_back >= 40.0
+
+
+KV_CAP_RULE = """
+  - name: kv-usage-cap-running
+    description: The KV cache is more than 92% used; cap the running requests.
+    when:
+      kv_usage_above: 0.92
+    then:
+      - kind: SET_ENGINE_LIMITS
+        max_num_running_reqs_factor: 0.75
+    on_clear:
+      - kind: SET_ENGINE_LIMITS
+        restore_defaults: true
+"""
+
+
+def test_an_undo_lifts_a_running_cap_only_as_far_as_the_kv_cache_has_room(clock: ManualClock) -> None:
+    # The demo's cycle: the cap keeps the cache from filling, its condition clears, and an undo to the start-up
+    # cap under the same load refills the cache (a preemption storm, rolled back). The undo waits while the
+    # cache has no room for more requests of the recent size, lifts the cap part way when requests shrink,
+    # and restores in full once the cap holds nothing back.
+    marker = "  - name: fragmentation-cap-prefill"
+    text = DEFAULT_POLICY.read_text().replace(marker, KV_CAP_RULE.lstrip("\n") + "\n" + marker)
+    engine = DecisionEngine(parse_policy(re.sub(r"  clear_hold_s: \d+", "  clear_hold_s: 20", text)), clock)
+    moves: list[tuple[float, dict[str, object]]] = []
+    t = 0.0
+    cap = 16
+
+    preempted = 0
+
+    def feed(seconds: float, usage: float, running: int, waiting: int, preempting: bool = False) -> None:
+        nonlocal t, cap, preempted
+        for _ in range(int(seconds * 2)):
+            clock.set(1_000_000.0 + t)
+            preempted += preempting
+            load = EngineLoad(
+                kv_cache_usage=usage,
+                num_requests_running=min(running, cap),
+                num_requests_waiting=waiting,
+                num_preemptions=preempted,
+                tiers=(TierLoad(tier=1, running=min(running, cap), waiting=waiting),),
+                running_cap=cap,
+                max_num_seqs=16,
+            )
+            for c in engine.observe(make_sample(t, 0.5, engine=load)):
+                moves.append((t, dict(c.params)))
+                cap = int(c.params.get("max_num_running_reqs", 16))  # type: ignore[call-overload]
+            t += 0.5
+
+    feed(3, 0.95, 16, 4)
+    assert [m for _, m in moves] == [{"max_num_running_reqs": 12}]
+    # Clear under the cap (85% < 92% less the hysteresis), but 12 requests fill 85% of the cache: no room for
+    # more, so no undo however long it stays clear.
+    feed(60, 0.85, 12, 5)
+    assert len(moves) == 1
+    # Shorter requests: 12 take 70%, room for 15 within 90% of the cache, but the engine preempts at its
+    # cap: the cache is at its edge whatever its mean says.
+    feed(25, 0.70, 12, 5, preempting=True)
+    assert len(moves) == 1
+    # Room for 15 once the hold has seen only them, and no preemption.
+    feed(25, 0.70, 12, 5)
+    assert [m for _, m in moves][1:] == [{"max_num_running_reqs": 15}]
+    lifted = moves[-1][0]
+    assert "room for 15 running requests" in engine._states[TARGET.key].last_command.reason  # type: ignore[union-attr]
+    feed(40, 0.875, 15, 3)  # at the new cap the cache is as full as it may be: it stays
+    assert len(moves) == 2
+    # The load falls: for a whole hold nothing waits and fewer run than the cap; the undo restores in full.
+    feed(25, 0.30, 5, 0)
+    assert [m for _, m in moves][2:] == [{"restore_defaults": True}]
+    assert moves[-1][0] - lifted >= 30.0  # the rule's undo keeps its cooldown between steps
 
 
 def test_a_hold_above_its_bound_is_refused() -> None:

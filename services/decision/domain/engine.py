@@ -459,6 +459,10 @@ class DecisionEngine:
                         since = state.clear_since.setdefault(name, t)
                         if t - since < self._clear_hold(state, name):
                             continue
+                        room = self._undo_room(state, rule, t)
+                        if room is not None:
+                            commands.extend(self._lift_cap(state, rule, room, t, cause_event_id, claimed, ctx))
+                            continue
                         state.pending_clear[name] = rule
                         state.undone_t[name] = t
                     del state.latched[name]
@@ -487,6 +491,63 @@ class DecisionEngine:
             state.last_command = commands[-1]
         return commands
 
+    def _undo_room(self, state: _TargetState, rule: Rule, t: float) -> int | None:
+        """The running cap the KV cache has room for, where an undo of `rule` would lift a cap past it.
+
+        None: the undo may restore in full (it restores no running cap, none is held below the start-up
+        one, nothing was held back by it over the hold, the cache has room, or `undo_kv_fraction` is 0).
+        Room is judged on the largest share of the cache a running request took over the hold, since the
+        cap kept the cache from filling and the condition's clearing proves nothing about the load; an
+        engine that preempted over the hold has none.
+        """
+        defaults = self._policy.spec.defaults
+        restores = any(isinstance(a, SetEngineLimits) and a.restore_defaults for a in rule.on_clear)
+        latest = state.window.latest_plugin  # the live cap: only the SITS plugin reports it
+        if not restores or defaults.undo_kv_fraction <= 0.0 or latest is None:
+            return None
+        cap, seqs = latest.running_cap, latest.max_num_seqs
+        if cap <= 0 or cap >= seqs:
+            return None
+        since = t - self._clear_hold(state, rule.name)
+        loads = [s.engine for s in state.window.samples if s.engine is not None and s.t >= since] or [latest]
+        if all(e.num_requests_waiting == 0 and e.num_requests_running < cap for e in loads):
+            return None
+        busy = [e for e in loads if e.num_requests_running > 0 and e.kv_cache_usage > 0.0]
+        if not busy:
+            return None
+        counted = [e.num_preemptions for e in loads if e.tiers]  # the plugin's own count, one source
+        if counted and max(counted) > min(counted):
+            return cap  # preempting at the live cap already: the cache is at its edge
+        per_request = max(e.kv_cache_usage / e.num_requests_running for e in busy)
+        room = math.floor(defaults.undo_kv_fraction / per_request)
+        return None if room >= seqs else room
+
+    def _lift_cap(
+        self,
+        state: _TargetState,
+        rule: Rule,
+        room: int,
+        t: float,
+        cause_event_id: str,
+        claimed: set[str],
+        ctx: _Context,
+    ) -> list[PlannedCommand]:
+        """Lift a latched rule's running cap part of the way back, as far as the KV cache has room for; the
+        rule stays latched and holds again before the next step. Nothing while the cache has no room beyond
+        the live cap, or after an OOM."""
+        latest = state.window.latest_plugin
+        if ctx.after_oom or latest is None or room <= latest.running_cap:
+            return []
+        lift = SetEngineLimits(kind="SET_ENGINE_LIMITS", max_num_running_reqs=room)
+        reason = (
+            f"{rule.name}: conditions cleared; the KV cache has room for {room} running requests of the recent "
+            f"size, not the {latest.max_num_seqs} the engine started with: running cap {latest.running_cap} -> {room}"
+        )
+        planned = self._plan(state, rule, (lift,), t, cause_event_id, claimed, None, clearing=True, reason=reason)
+        if planned:
+            state.clear_since[rule.name] = t
+        return planned
+
     def _clear_hold(self, state: _TargetState, name: str) -> float:
         """How long a latched rule's conditions must stay clear before its undo: doubled per flap."""
         defaults = self._policy.spec.defaults
@@ -512,6 +573,7 @@ class DecisionEngine:
         claimed: set[str],
         oom: OomEvent | None,
         clearing: bool,
+        reason: str | None = None,
     ) -> list[PlannedCommand]:
         """Commands for all of `actions`, or none when any of their targets is in its cooldown."""
         defaults = self._policy.spec.defaults
@@ -530,7 +592,8 @@ class DecisionEngine:
                 return []
         now = self._clock.now()
         step = self._step_memory(state)
-        evidence, reason = self._evidence(state, rule, oom, clearing, step)
+        evidence, because = self._evidence(state, rule, oom, clearing, step)
+        reason = reason or because
         planned = []
         for action, target in zip(actions, targets, strict=True):
             kind = ActionKind.parse(action.kind)
@@ -798,8 +861,11 @@ class DecisionEngine:
             # The cut did not keep its promise: let the rule fire again (its next stage) once its cooldown allows.
             state.latched.pop(issued.rule, None)
         elif outcome == "ROLLED_BACK" and issued.clearing:
-            # The undo was undone: the rule's action is in force again, so it must clear again to undo it.
+            # The undo was undone: the rule's action is in force again, so it must clear again to undo it,
+            # and holds twice as long first (the undo flapped).
             state.latched[issued.rule] = t
+            state.clear_since.pop(issued.rule, None)
+            state.flaps[issued.rule] = state.flaps.get(issued.rule, 0) + 1
 
     def observe_result(self, outcome: ActionOutcome) -> None:
         """An executor result: which action carried out a command, and state changed behind the decision's back

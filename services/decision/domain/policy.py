@@ -68,6 +68,11 @@ class Defaults(_Strict):
     # Flap damping: each time such a rule fires again within this long of its undo, its next hold
     # doubles, up to this.
     max_clear_hold_s: float = Field(default=300.0, ge=0.0, le=86400.0)
+    # An undo that lifts a running cap back to the engine's start-up one waits while the KV cache, at the
+    # size recent requests take in it, has no room for that many (it lifts the cap only as far as the
+    # cache has room for, this fraction of it): lifting it further refills the cache and preempts.
+    # 0: undo in full once the hold is over.
+    undo_kv_fraction: Fraction = 0.9
     target_memory_fraction: float = Field(default=0.9, gt=0.0, le=1.0)
     root_cause_interval_s: float = Field(default=5.0, gt=0.0, le=600.0)
 
