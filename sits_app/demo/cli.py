@@ -189,7 +189,13 @@ class Demo:
             stack.push_async_callback(self._say_stopping)
             self.notes.append(f"set-up took {time.monotonic() - started:.0f} s")
             if self.config.replay is None:
-                capacity = await self._capacity(sits.engine.address)
+                # Probed on the engine as it ships where there is one: the probe keeps an engine full of P0,
+                # and on the SITS engine the loop acted on it (a cap, a cut) before the load began, its
+                # verdicts landing in the SITS phase (a run of 2026-12-06: "not kept", P0 waiting behind P0).
+                probed = baseline or sits
+                capacity = await self._capacity(probed.engine.address)
+                if probed is not sits:
+                    await self._warm(sits.engine.address)
                 self.notes.append(f"engine capacity, measured at the start: {capacity:.1f} requests/s (closed loop)")
                 self.timeline.restart_clock()
                 if baseline is not None:
@@ -211,6 +217,33 @@ class Demo:
     async def _say_stopping(self) -> None:
         self.step("stopping everything that was started")
 
+    async def _requester(
+        self, resources: contextlib.AsyncExitStack, engine_addr: str
+    ) -> Callable[[], Awaitable[RequestOutcome]]:
+        """One mid-sized P0 request straight to the engine, on the demo's protocol."""
+        prompt, new_tokens = sum(PROMPT_TOKENS) // 2, sum(MAX_TOKENS) // 2
+        if self._api == "openai":
+            http = await resources.enter_async_context(httpx.AsyncClient(base_url=f"http://{engine_addr}"))
+
+            async def one_http() -> RequestOutcome:
+                return await one_http_request(http, SERVED_MODEL_NAME, "P0", prompt, new_tokens)
+
+            return one_http
+        channel = await resources.enter_async_context(grpc.aio.insecure_channel(engine_addr))
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+        async def one_grpc() -> RequestOutcome:
+            return await one_request(stub, "P0", prompt, new_tokens)
+
+        return one_grpc
+
+    async def _warm(self, engine_addr: str, requests: int = 3) -> None:
+        """A few requests, one at a time, so the SITS engine's first ones in its phase are not its first ever."""
+        async with contextlib.AsyncExitStack() as resources:
+            one = await self._requester(resources, engine_addr)
+            for _ in range(requests):
+                await one()
+
     async def _capacity(self, engine_addr: str, seconds: float = 8.0) -> float:
         """Requests per second the engine completes when kept full (closed loop, straight to vLLM).
 
@@ -227,20 +260,8 @@ class Demo:
         window: list[float] = []  # [start, end] once every client has finished one request
         counted = completed = 0
         began = time.monotonic()
-        prompt, new_tokens = sum(PROMPT_TOKENS) // 2, sum(MAX_TOKENS) // 2
         async with contextlib.AsyncExitStack() as resources:
-            if self._api == "openai":
-                http = await resources.enter_async_context(httpx.AsyncClient(base_url=f"http://{engine_addr}"))
-
-                async def one() -> RequestOutcome:
-                    return await one_http_request(http, SERVED_MODEL_NAME, "P0", prompt, new_tokens)
-
-            else:
-                channel = await resources.enter_async_context(grpc.aio.insecure_channel(engine_addr))
-                stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-
-                async def one() -> RequestOutcome:
-                    return await one_request(stub, "P0", prompt, new_tokens)
+            one = await self._requester(resources, engine_addr)
 
             def running() -> bool:
                 now = time.monotonic()
