@@ -61,12 +61,19 @@ class RecentFreeKv:
     A request whose KV need is at most `fraction` of the free KV reported less
     than `max_age_s` ago cannot be the one that kills the engine; anything
     larger, or any request when the figure is stale, goes to the decision service.
+    P0 is refused only when its own request does not fit (the decision's rule, which
+    counts what lower tiers hold as P0's too), so a P0 request that fits in all of
+    that free KV is admitted here: under load on two cores the second hop cost P0
+    up to the processor's whole wait for Admit (p90 over 300 ms, bench/p0_path.py).
+    Not one with prompt logprobs (the decision checks their logits against the
+    device) or one longer than the engine's max model length (refused with the reason).
     """
 
     def __init__(self, admission: Admission, clock: Clock) -> None:
         self._fraction = admission.local_admit_fraction
         self._max_age_s = admission.local_admit_max_age_s
         self._bytes_per_token = admission.kv_bytes_per_token
+        self._max_request_tokens = admission.bypass_max_request_tokens
         self._clock = clock
         self._free: int | None = None
         self._seen_at = 0.0
@@ -81,7 +88,12 @@ class RecentFreeKv:
             return False
         if self._clock.monotonic() - self._seen_at > self._max_age_s:
             return False
-        needed = (query.prompt_tokens + query.max_tokens) * self._bytes_per_token
+        tokens = query.prompt_tokens + query.max_tokens
+        needed = tokens * self._bytes_per_token
+        if query.priority == "p0" and not query.prompt_logprobs:
+            if 0 < self._max_request_tokens < tokens:
+                return False
+            return needed <= self._free
         return needed <= self._fraction * self._free
 
 

@@ -168,3 +168,27 @@ def test_tiny_requests_are_admitted_locally_only_against_a_fresh_answer() -> Non
     never = RecentFreeKv(Admission(kv_bytes_per_token=0), clock)
     never.remember(Verdict(admitted=True, reason="", kv_bytes_free=1 << 40))
     assert not never.admits_locally(tiny)
+
+
+def test_p0_that_fits_the_recent_free_kv_is_admitted_without_asking() -> None:
+    # P0 is refused only when its own request does not fit: one that fits what was free a moment ago needs
+    # no second hop. A lower tier of the same size still asks (the P0 reserve is the decision's to count).
+    clock = ManualClock()
+    admission = Admission(
+        local_admit_fraction=0.01, local_admit_max_age_s=0.5, kv_bytes_per_token=1024, bypass_max_request_tokens=512
+    )
+    recent = RecentFreeKv(admission, clock)
+    p0 = AdmissionQuery(prompt_tokens=200, max_tokens=100, priority="p0")  # 300 KiB
+    assert not recent.admits_locally(p0)  # nothing heard yet: ask
+    recent.remember(Verdict(admitted=False, reason="", kv_bytes_free=400 << 10))
+    assert recent.admits_locally(p0)
+    assert not recent.admits_locally(AdmissionQuery(200, 100, "p1"))
+    assert not recent.admits_locally(AdmissionQuery(300, 150, "p0"))  # 450 KiB: more than is free
+    assert not recent.admits_locally(AdmissionQuery(200, 100, "p0", prompt_logprobs=5))  # logits: the decision's
+    recent.remember(Verdict(admitted=True, reason="", kv_bytes_free=1 << 30))
+    assert not recent.admits_locally(AdmissionQuery(400, 200, "p0"))  # over the max model length: refused there
+    clock.advance(0.6)
+    assert not recent.admits_locally(p0)  # stale: ask again
+    off = RecentFreeKv(Admission(local_admit_fraction=0.0, kv_bytes_per_token=1024), clock)
+    off.remember(Verdict(admitted=True, reason="", kv_bytes_free=1 << 30))
+    assert not off.admits_locally(p0)  # local admission off: P0 asks too
