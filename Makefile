@@ -75,7 +75,7 @@ bench: setup redis
 	@$(PY) -m bench.run_all
 
 bench-gpu:
-	@echo "GPU benchmarks run on the H200 through the device tool: see bench/README.md"
+	@echo "GPU benchmarks run on the H200 through the device tool: see docs/h200_oom_prevention.md, \"Running it\""
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .run sits/v1/*_pb2*.py*

@@ -21,6 +21,7 @@ CPU_BENCHMARKS = [
     "pipeline_throughput.py",
     "envoy_overhead.py",
     "overload.py",
+    "p0_path.py",
     "overload_http.py",
     "reliability.py",
     "reliability_replicas.py",
