@@ -76,7 +76,7 @@ class ControlSettings:
     engage_ticks: int = 2
     release_after_s: float = 15.0
     lease_s: float = 5.0
-    backoff_s: float = 20.0
+    backoff_s: float = 60.0
     max_backoff_s: float = 300.0
     drain_backlog: bool = True
     settle_min_s: float = 2.0

@@ -110,7 +110,7 @@ class ControllerSettings(_Strict):
     lease_s: float = Field(default=5.0, gt=0.0, le=3600.0)
     # After a decrease or a rolled-back increase, no increase for this long (doubling, up to max_backoff_s,
     # until a quiet spell of max_backoff_s).
-    backoff_s: float = Field(default=20.0, ge=0.0, le=86400.0)
+    backoff_s: float = Field(default=60.0, ge=0.0, le=86400.0)
     max_backoff_s: float = Field(default=300.0, ge=0.0, le=86400.0)
     # Abort lower-tier requests waiting in the engine beyond a cut (newest first).
     drain_backlog: bool = True
