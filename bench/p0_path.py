@@ -36,8 +36,6 @@ from sits_mesh.ext_proc import DecisionAdmitter
 
 P0_CLIENTS = CLIENTS["p0"]
 ADMIT_EVERY_S = 0.05
-# The admission processor's own wait for Admit (DecisionAdmitter's default): beyond it, it fails open.
-PROCESSOR_ADMIT_TIMEOUT_S = 0.2
 # Process groups by command line, first match wins.
 GROUPS = (
     ("engine", ("VLLM::", "grpc_launcher", "vllm.entrypoints")),
@@ -122,11 +120,12 @@ async def run_variant(rounds: int, seconds: float, cpus: int) -> dict[str, Any]:
                 samples.setdefault(f"direct_{phase}", []).extend(straight["p0"])
                 samples.setdefault(f"admit_{phase}", []).extend(probe)
             print(f"round {index + 1}/{rounds}: P0 via SITS {len(samples['sits_path_loaded'])} loaded", flush=True)
+        # The processor's own wait for Admit (the mesh policy it runs): beyond it, it fails open.
+        wait_s = path.envoy.policy.admission.decision_timeout_s
     spreads = {name: spread(values) for name, values in samples.items()}
     over = {
         phase: round(
-            sum(1 for v in samples[f"admit_{phase}"] if v > PROCESSOR_ADMIT_TIMEOUT_S * 1000)
-            / max(1, len(samples[f"admit_{phase}"])),
+            sum(1 for v in samples[f"admit_{phase}"] if v > wait_s * 1000) / max(1, len(samples[f"admit_{phase}"])),
             3,
         )
         for phase in ("unloaded", "loaded")
@@ -135,7 +134,13 @@ async def run_variant(rounds: int, seconds: float, cpus: int) -> dict[str, Any]:
     shares = {
         phase: {name: round(value / (elapsed[phase] * cores), 3) for name, value in cpu[phase].items()} for phase in cpu
     }
-    return {"p0_ttft": spreads, "admit_over_processor_timeout": over, "cpu_share_of_host": shares, "cores": cores}
+    return {
+        "p0_ttft": spreads,
+        "processor_admit_wait_s": wait_s,
+        "admit_over_processor_timeout": over,
+        "cpu_share_of_host": shares,
+        "cores": cores,
+    }
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -157,6 +162,7 @@ async def run(args: argparse.Namespace) -> None:
             figures[f"admit_p99_ms_{phase}{suffix}"] = ttft[f"admit_{phase}"]["p99_ms"]
             figures[f"admit_over_processor_timeout_{phase}{suffix}"] = result["admit_over_processor_timeout"][phase]
             figures[f"engine_cpu_share_{phase}{suffix}"] = result["cpu_share_of_host"][phase]["engine"]
+    waits = "/".join(sorted({f"{r['processor_admit_wait_s']:g}" for r in results.values()}))
     path = write_result(
         "p0_path",
         command=f"python -m bench.p0_path --rounds {args.rounds} --seconds {args.seconds} --variants {args.variants}",
@@ -169,7 +175,7 @@ async def run(args: argparse.Namespace) -> None:
             f"{ {p: n for p, n in CLIENTS.items() if p != 'p0'} } through Envoy; the whole loop runs (default "
             f"policy). hops = SITS path minus direct, per quantile. Admit: the decision service timed from this "
             f"process every {ADMIT_EVERY_S} s; over_processor_timeout: the share slower than the processor's "
-            f"{PROCESSOR_ADMIT_TIMEOUT_S} s wait (it fails open there). CPU shares: of all cores, over the phases. "
+            f"{waits} s wait (it fails open there). CPU shares: of all cores, over the phases. "
             "half_cpu: the engine confined to one CPU with taskset."
         ),
         extra={"detail": results},
