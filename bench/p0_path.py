@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 
 from bench.common import quantile, write_result
-from bench.overload import CAPACITY, CLIENTS, POLICY, VARIANTS, LoadProcess, clients_at
+from bench.overload import CAPACITY, CLIENTS, POLICY, VARIANTS, LoadProcess, clients_at, close_channels
 from sits.v1 import common_pb2
 from sits_app.demo.paths import EngineShape, start_engines, start_sits
 from sits_app.stack.vllm_engine import make_random_llama
@@ -97,7 +97,8 @@ async def run_variant(rounds: int, seconds: float, cpus: int) -> dict[str, Any]:
         assert path.stack is not None
         load = await stack.enter_async_context(LoadProcess())
         sits_path, direct = path.address, engines["sits"].address
-        await clients_at(sits_path, {"p0": P0_CLIENTS}, 2.0)  # warm-up
+        for address in (sits_path, direct):  # warm-up: the channels (kept for the run) and every hop's set-up
+            await clients_at(address, {"p0": P0_CLIENTS}, 2.0)
         lower = {p: n for p, n in CLIENTS.items() if p != "p0"}
         for index in range(rounds):
             for phase in ("unloaded", "loaded"):
@@ -122,6 +123,7 @@ async def run_variant(rounds: int, seconds: float, cpus: int) -> dict[str, Any]:
             print(f"round {index + 1}/{rounds}: P0 via SITS {len(samples['sits_path_loaded'])} loaded", flush=True)
         # The processor's own wait for Admit (the mesh policy it runs): beyond it, it fails open.
         wait_s = path.envoy.policy.admission.decision_timeout_s
+        await close_channels()
     spreads = {name: spread(values) for name, values in samples.items()}
     over = {
         phase: round(
