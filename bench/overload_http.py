@@ -16,10 +16,14 @@ flight (three times the engine's slots: the headline figures), sent at most
 Phases, one engine at a time (the machine is shared): the baseline engine
 unloaded and loaded; then the SITS engine: a non-overloaded sweep at the
 engine's capacity straight to the engine and through Envoy + SITS (throughput
-and added TTFT), then unloaded and loaded. AIPerf's own exports go to
+and added TTFT), then unloaded and loaded. Each AIPerf run sends warm-up
+requests first (left out of its figures), so no phase's tail is its
+connections' set-up. The whole run is done twice, as `bench.overload`: on
+the whole machine, then with the engine confined to one CPU (`half_cpu`,
+keys suffixed `_half_cpu`). AIPerf's own exports go to
 bench/results/overload_http/, ours to bench/results/overload_http.json.
 
-Run: .venv/bin/python -m bench.overload_http [--seconds 40]
+Run: .venv/bin/python -m bench.overload_http [--seconds 40] [--variants full,half_cpu]
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from typing import Any
 
 from bench.common import RESULTS, write_result
 from bench.load_tool import AIPERF_VERSION, ensure_aiperf
+from bench.overload import VARIANTS
 from sits_app.demo.paths import EngineShape, start_baseline, start_engines, start_sits
 from sits_app.stack.vllm_engine import VllmOpenAIServer, VllmServer, make_random_llama
 
@@ -58,6 +63,7 @@ OUTPUT_TOKENS = {"p0": 32, "p2": 128}
 # Metrics AIPerf exports, by its tags.
 TTFT = "time_to_first_token"
 ITL = "inter_token_latency"
+HTTP_CHUNKS = "http_req_chunks_received"
 
 
 async def aiperf(
@@ -99,6 +105,10 @@ async def aiperf(
         f"x-sits-priority:{tier}",
         "--concurrency",
         str(concurrency),
+        # Excluded from the figures: each connection's first request pays for TCP and every hop's lazy set-up,
+        # a few per phase that would otherwise be its p99.
+        "--warmup-request-count",
+        str(2 * concurrency),
         "--benchmark-duration",
         str(seconds),
         "--benchmark-grace-period",
@@ -177,6 +187,8 @@ def tier_summary(export: dict[str, Any]) -> dict[str, Any]:
         "itl_p50_ms": round(metric(export, ITL, "p50"), 2),
         "itl_p99_ms": round(metric(export, ITL, "p99"), 2),
         "output_tokens_per_s": round(metric(export, "output_token_throughput", "avg"), 2),
+        # Reads that carried a response: 1 means the whole stream reached the client at once (ITL 0, TTFT = all).
+        "http_chunks_p50": round(metric(export, HTTP_CHUNKS, "p50"), 1),
         "served": served,
         "refused": failed,
         "refused_fraction": round(failed / (served + failed), 4) if served + failed else 0.0,
@@ -194,10 +206,11 @@ def keep_tool_files(run_dir: Path, name: str) -> None:
 
 
 class Runner:
-    def __init__(self, command: Path, seconds: float, workdir: Path) -> None:
+    def __init__(self, command: Path, seconds: float, workdir: Path, variant: str) -> None:
         self.command = command
         self.seconds = seconds
         self.workdir = workdir
+        self.variant = variant
         self.phases: dict[str, dict[str, Any]] = {}
 
     async def phase(
@@ -222,7 +235,7 @@ class Runner:
         exports = await asyncio.gather(*runs)
         self.phases[name] = {tier: tier_summary(e) for tier, e in zip(("p0", "p2"), exports, strict=False)}
         for tier in self.phases[name]:
-            keep_tool_files(self.workdir / name / tier, f"{name}_{tier}")
+            keep_tool_files(self.workdir / name / tier, f"{name}_{tier}{suffix_of(self.variant)}")
         print(f"  {json.dumps(self.phases[name])}", flush=True)
 
 
@@ -232,33 +245,37 @@ def url_of(address: str) -> str:
 
 async def run(args: argparse.Namespace) -> None:
     command = ensure_aiperf()
-    shape = EngineShape(
-        max_num_seqs=CAPACITY, kv_blocks=64, max_model_len=512, max_num_batched_tokens=512, api="openai"
-    )
     model = make_random_llama()
-    with tempfile.TemporaryDirectory(prefix="sits-bench-http-") as tmp:
-        workdir = Path(tmp)
-        runner = Runner(command, args.seconds, workdir / "aiperf")
-        # One engine at a time on this shared machine: the baseline path first, then the SITS path.
-        async with contextlib.AsyncExitStack() as stack:
-            print("starting vLLM as it ships (OpenAI server) behind Envoy alone", flush=True)
-            engines = await start_engines(stack, model, shape, workdir, baseline=True, sits=False)
-            baseline = await start_baseline(stack, engines["baseline"], workdir)
-            engine = _openai(engines["baseline"])
-            await runner.phase("without_unloaded", url_of(baseline.address), engine)
-            for name, load in SWEEP:
-                await runner.phase(f"without_{name}", url_of(baseline.address), engine, load)
-        async with contextlib.AsyncExitStack() as stack:
-            print("starting the SITS path: plugin, Envoy + admission processor, the whole loop", flush=True)
-            engines = await start_engines(stack, model, shape, workdir, baseline=False, sits=True)
-            sits = await start_sits(stack, engines["sits"], workdir, POLICY, progress=print)
-            engine = _openai(engines["sits"])
-            await runner.phase("direct_capacity", url_of(engine.address), engine, p0=CAPACITY)
-            await runner.phase("sits_capacity", url_of(sits.address), engine, p0=CAPACITY)
-            await runner.phase("with_unloaded", url_of(sits.address), engine)
-            for name, load in SWEEP:
-                await runner.phase(f"with_{name}", url_of(sits.address), engine, load)
-    record(runner.phases, args)
+    for variant in args.variants.split(","):
+        cpus = VARIANTS[variant]
+        shape = EngineShape(
+            max_num_seqs=CAPACITY, kv_blocks=64, max_model_len=512, max_num_batched_tokens=512, api="openai", cpus=cpus
+        )
+        print(f"== variant {variant} ({'the engine on one CPU' if cpus else 'all CPUs'})", flush=True)
+        with tempfile.TemporaryDirectory(prefix="sits-bench-http-") as tmp:
+            workdir = Path(tmp)
+            runner = Runner(command, args.seconds, workdir / "aiperf", variant)
+            # One engine at a time on this shared machine: the baseline path first, then the SITS path.
+            async with contextlib.AsyncExitStack() as stack:
+                print("starting vLLM as it ships (OpenAI server) behind Envoy alone", flush=True)
+                engines = await start_engines(stack, model, shape, workdir, baseline=True, sits=False)
+                baseline = await start_baseline(stack, engines["baseline"], workdir)
+                engine = _openai(engines["baseline"])
+                await runner.phase("without_unloaded", url_of(baseline.address), engine)
+                for name, load in SWEEP:
+                    await runner.phase(f"without_{name}", url_of(baseline.address), engine, load)
+            async with contextlib.AsyncExitStack() as stack:
+                print("starting the SITS path: plugin, Envoy + admission processor, the whole loop", flush=True)
+                engines = await start_engines(stack, model, shape, workdir, baseline=False, sits=True)
+                sits = await start_sits(stack, engines["sits"], workdir, POLICY, progress=print)
+                engine = _openai(engines["sits"])
+                await runner.phase("direct_capacity", url_of(engine.address), engine, p0=CAPACITY)
+                await runner.phase("sits_capacity", url_of(sits.address), engine, p0=CAPACITY)
+                await runner.phase("with_unloaded", url_of(sits.address), engine)
+                for name, load in SWEEP:
+                    await runner.phase(f"with_{name}", url_of(sits.address), engine, load)
+        # Written after each variant: a later one that fails keeps what the earlier ones measured.
+        record(variant, runner.phases, args)
 
 
 def _openai(engine: VllmServer) -> VllmOpenAIServer:
@@ -270,12 +287,16 @@ def ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b else 0.0
 
 
-def record(phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> Path:
+def suffix_of(variant: str) -> str:
+    return "" if variant == "full" else f"_{variant}"
+
+
+def variant_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(figures, baseline) of one variant's phases."""
     p0 = {name: tiers["p0"] for name, tiers in phases.items()}
     with_loaded = phases["with_loaded"]["p0"]
     served, refused = with_loaded["served"], with_loaded["refused"]
     figures: dict[str, Any] = {
-        "tool": f"aiperf {AIPERF_VERSION}",
         "p0_ttft_p99_ratio_with_sits": ratio(with_loaded["ttft_p99_ms"], p0["with_unloaded"]["ttft_p99_ms"]),
         "p0_ttft_p99_ratio_without_sits": ratio(
             p0["without_loaded"]["ttft_p99_ms"], p0["without_unloaded"]["ttft_p99_ms"]
@@ -286,6 +307,7 @@ def record(phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> Path:
         ),
         "ttft_p50_added_ms": round(p0["sits_capacity"]["ttft_p50_ms"] - p0["direct_capacity"]["ttft_p50_ms"], 2),
         "p0_served_ratio": ratio(served, served + refused),
+        "p0_samples_per_phase": min(p["served"] for p in p0.values()),
         "p2_refused_fraction_with_sits": phases["with_loaded"]["p2"]["refused_fraction"],
         "p2_refused_fraction_without_sits": phases["without_loaded"]["p2"]["refused_fraction"],
     }
@@ -301,6 +323,29 @@ def record(phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> Path:
         "direct_output_tokens_per_s": p0["direct_capacity"]["output_tokens_per_s"],
         "direct_ttft_p50_ms": p0["direct_capacity"]["ttft_p50_ms"],
     }
+    return figures, baseline
+
+
+def record(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> Path:
+    """Writes this variant's figures (keys suffixed `_half_cpu` for that variant) beside the other variant's
+    from the last run that measured it (its `detail` says when)."""
+    details: dict[str, Any] = {}
+    previous = RESULTS / "overload_http.json"
+    if previous.exists():
+        kept = json.loads(previous.read_text())
+        detail = kept.get("detail", {})
+        if "with_loaded" in detail:  # written before variants: the phases of the full machine
+            detail = {"full": {"phases": detail, "measured_at": kept.get("measured_at")}}
+        details = {name: d for name, d in detail.items() if name in VARIANTS and name != variant}
+    details[variant] = {"phases": phases, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    figures: dict[str, Any] = {"tool": f"aiperf {AIPERF_VERSION}"}
+    baseline: dict[str, Any] = {}
+    for name in VARIANTS:
+        if name in details:
+            some_figures, some_baseline = variant_figures(details[name]["phases"])
+            suffix = suffix_of(name)
+            figures.update({f"{k}{suffix}": v for k, v in some_figures.items()})
+            baseline.update({f"{k}{suffix}": v for k, v in some_baseline.items()})
     goal = {
         "p0_ttft_p99_ratio_with_sits": 1.5,
         "p0_ttft_p99_with_over_without": 0.333,
@@ -314,21 +359,23 @@ def record(phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> Path:
         f"byte-level BPE tokenizer, max_num_seqs {CAPACITY} on both paths. P0: {P0_CONCURRENCY} closed-loop "
         f"clients of {OUTPUT_TOKENS['p0']} new tokens; loaded: plus P2 requests of {OUTPUT_TOKENS['p2']} new "
         f"tokens, {CAPACITY}, {2 * CAPACITY} then {LOAD_CONCURRENCY} in flight (1x to 3x the engine's slots), at most "
-        f"{LOAD_RATE:g} sent per second. "
+        f"{LOAD_RATE:g} sent per second; each AIPerf run first sends twice its concurrency in warm-up requests, "
+        "left out of its figures. "
         "Phases of "
         f"{args.seconds:.0f} s, one engine at a time: the baseline (vLLM FCFS behind Envoy alone) first, then "
         "the SITS path (plugin, Envoy + admission processor, the whole loop). capacity phases: P0 at the engine's "
         "capacity straight to the engine and through Envoy + SITS (throughput_ratio, ttft_p50_added_ms). "
-        "Single run on a shared 2-core machine: absolute times drift with the other workers' load."
+        "half_cpu: the engine confined to one CPU with taskset (its API server, EngineCore and worker share it), "
+        "keys with _half_cpu. Single run per variant on a shared 2-core machine."
     )
     path = write_result(
         "overload_http",
-        command=f".venv/bin/python -m bench.overload_http --seconds {args.seconds:.0f}",
+        command=f".venv/bin/python -m bench.overload_http --seconds {args.seconds:.0f} --variants {args.variants}",
         figures=figures,
         baseline=baseline,
         goal=goal,
         notes=notes,
-        extra={"detail": phases},
+        extra={"detail": details},
     )
     print(f"wrote {path}", flush=True)
     return path
@@ -337,6 +384,7 @@ def record(phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> Path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=40.0, help="length of one phase (default 40)")
+    parser.add_argument("--variants", default="full,half_cpu", help="full, half_cpu, or both (default)")
     args = parser.parse_args()
     started = time.monotonic()
     asyncio.run(run(args))
