@@ -4,6 +4,11 @@ Verdicts are stored once per action (the first wins, so a redelivered result
 never produces a second verdict), indexed by time, by target and by outcome
 for ListVerdicts. Pending watches live here too, so a restarted validator
 picks up the actions it was watching.
+
+The trail is kept for `retention_s` (SITS_VALIDATOR_AUDIT_RETENTION_S): each
+verdict's keys expire then, each new verdict trims the indexes it joins of
+entries older than that, and a target's index expires once the target has had
+no verdict for that long (a GPU taken out of the fleet leaves nothing behind).
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from sits.v1 import events_pb2
 
 # Longer than publishing a verdict ever takes, short enough that a crashed claimant's action is judged soon.
 CLAIM_TTL_S = 30
+DEFAULT_RETENTION_S = 7 * 24 * 3600.0
 
 
 class AuditStore:
-    def __init__(self, client: aioredis.Redis, namespace: str = "") -> None:
+    def __init__(self, client: aioredis.Redis, namespace: str = "", retention_s: float = DEFAULT_RETENTION_S) -> None:
         self._r = client
         self._ns = f"sits:{namespace}validator"
+        self._retention_ms = max(1, int(retention_s * 1000))
 
     def _k(self, *parts: str) -> str:
         return ":".join((self._ns, *parts))
@@ -50,12 +57,15 @@ class AuditStore:
         if not claimed and not await self.claim_verdict(verdict.action_id, verdict.verdict_id):
             return False
         score = verdict.settled_at.seconds + verdict.settled_at.nanos / 1e9
+        oldest = score - self._retention_ms / 1000
+        indexes = (self._k("all"), self._k("target", target_key), self._k("outcome", str(verdict.verdict)))
         async with self._r.pipeline(transaction=True) as pipe:
-            pipe.set(self._k("by-action", verdict.action_id), verdict.verdict_id)
-            pipe.set(self._k("verdict", verdict.verdict_id), verdict.SerializeToString())
-            pipe.zadd(self._k("all"), {verdict.verdict_id: score})
-            pipe.zadd(self._k("target", target_key), {verdict.verdict_id: score})
-            pipe.zadd(self._k("outcome", str(verdict.verdict)), {verdict.verdict_id: score})
+            pipe.set(self._k("by-action", verdict.action_id), verdict.verdict_id, px=self._retention_ms)
+            pipe.set(self._k("verdict", verdict.verdict_id), verdict.SerializeToString(), px=self._retention_ms)
+            for index in indexes:
+                pipe.zadd(index, {verdict.verdict_id: score})
+                pipe.zremrangebyscore(index, "-inf", f"({oldest}")
+            pipe.pexpire(indexes[1], self._retention_ms)
             pipe.hdel(self._k("pending"), verdict.action_id)
             await pipe.execute()
         return True

@@ -36,7 +36,7 @@ async def serve(settings: ValidatorSettings, stop: asyncio.Event | None = None) 
             admission_metrics_url=settings.validator_admission_metrics_url,
         )
         app.on_close(probes.close)
-        audit = AuditStore(app.redis(), settings.topic_prefix)
+        audit = AuditStore(app.redis(), settings.topic_prefix, settings.validator_audit_retention_s)
         service = ValidatorService(
             validator=Validator(),
             audit=audit,

@@ -28,6 +28,13 @@ class ValidatorSettings(CommandSigningSettings):
         description="Kafka consumer group of the validator replicas (after SITS_TOPIC_PREFIX); each judges the "
         "actions on the targets of the partitions it owns.",
     )
+    validator_audit_retention_s: float = Field(
+        7 * 24 * 3600.0,
+        gt=0,
+        description="How long the audit trail in Redis keeps a verdict (and knows its action was judged); older "
+        "ones are dropped from every index. Keep it at least the results topic's retention, so a result replayed "
+        "from Kafka is never judged twice.",
+    )
     validator_settle_s: dict[str, float] = Field(
         default_factory=dict,
         description='Settle window per action kind, overriding the defaults (JSON, e.g. {"SHED_PRIORITY": 3}).',
