@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from services.validator.audit import DEFAULT_RETENTION_S
 from sits.runtime.settings import CommandSigningSettings
 
 
@@ -29,7 +30,7 @@ class ValidatorSettings(CommandSigningSettings):
         "actions on the targets of the partitions it owns.",
     )
     validator_audit_retention_s: float = Field(
-        7 * 24 * 3600.0,
+        DEFAULT_RETENTION_S,
         gt=0,
         description="How long the audit trail in Redis keeps a verdict (and knows its action was judged); older "
         "ones are dropped from every index. Keep it at least the results topic's retention, so a result replayed "
