@@ -69,6 +69,11 @@ VARIANTS = {"full": 0, "half_cpu": 1}
 REFUSED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
+def variant_suffix(variant: str) -> str:
+    """What a variant's result keys end with: nothing for the whole machine, `_half_cpu` for the other."""
+    return "" if variant == "full" else f"_{variant}"
+
+
 def request(priority: str, index: int) -> vllm_engine_pb2.GenerateRequest:
     return vllm_engine_pb2.GenerateRequest(
         request_id=f"{priority}-bench-{index}-{time.monotonic_ns()}",
@@ -326,16 +331,16 @@ def record(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None
         kept = json.loads(previous.read_text())
         for variant, detail in kept.get("detail", {}).items():
             if variant not in results:
-                suffix = "" if variant == "full" else f"_{variant}"
+                suffix = variant_suffix(variant)
                 figures.update({k: v for k, v in kept["figures"].items() if is_variant_key(k, variant, suffix)})
                 details[variant] = {**detail, "measured_at": detail.get("measured_at", kept.get("measured_at"))}
     for variant, result in results.items():
-        suffix = "" if variant == "full" else f"_{variant}"
+        suffix = variant_suffix(variant)
         figures.update({f"{k}{suffix}": v for k, v in result["figures"].items()})
         details[variant] = result["detail"]
     baseline = {}
     for variant, detail in details.items():
-        suffix = "" if variant == "full" else f"_{variant}"
+        suffix = variant_suffix(variant)
         for phase_name in ("with_unloaded", "without_unloaded", "without_loaded", "with_loaded"):
             baseline[f"p0_ttft_p99_ms_{phase_name}{suffix}"] = detail["phases"][phase_name]["p0_ttft_p99_ms"]
     path = write_result(

@@ -43,7 +43,7 @@ from typing import Any
 
 from bench.common import RESULTS, write_result
 from bench.load_tool import AIPERF_VERSION, ensure_aiperf
-from bench.overload import VARIANTS
+from bench.overload import VARIANTS, variant_suffix
 from sits_app.demo.paths import EngineShape, start_baseline, start_engines, start_sits
 from sits_app.stack.vllm_engine import VllmOpenAIServer, VllmServer, make_random_llama
 
@@ -235,7 +235,7 @@ class Runner:
         exports = await asyncio.gather(*runs)
         self.phases[name] = {tier: tier_summary(e) for tier, e in zip(("p0", "p2"), exports, strict=False)}
         for tier in self.phases[name]:
-            keep_tool_files(self.workdir / name / tier, f"{name}_{tier}{suffix_of(self.variant)}")
+            keep_tool_files(self.workdir / name / tier, f"{name}_{tier}{variant_suffix(self.variant)}")
         print(f"  {json.dumps(self.phases[name])}", flush=True)
 
 
@@ -285,10 +285,6 @@ def _openai(engine: VllmServer) -> VllmOpenAIServer:
 
 def ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b else 0.0
-
-
-def suffix_of(variant: str) -> str:
-    return "" if variant == "full" else f"_{variant}"
 
 
 def variant_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -343,7 +339,7 @@ def record(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Names
     for name in VARIANTS:
         if name in details:
             some_figures, some_baseline = variant_figures(details[name]["phases"])
-            suffix = suffix_of(name)
+            suffix = variant_suffix(name)
             figures.update({f"{k}{suffix}": v for k, v in some_figures.items()})
             baseline.update({f"{k}{suffix}": v for k, v in some_baseline.items()})
     goal = {

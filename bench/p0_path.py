@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 
 from bench.common import quantile, write_result
-from bench.overload import CAPACITY, CLIENTS, POLICY, VARIANTS, LoadProcess, clients_at, close_channels
+from bench.overload import CAPACITY, CLIENTS, POLICY, VARIANTS, LoadProcess, clients_at, close_channels, variant_suffix
 from sits.v1 import common_pb2
 from sits_app.demo.paths import EngineShape, start_engines, start_sits
 from sits_app.stack.vllm_engine import make_random_llama
@@ -153,7 +153,7 @@ async def run(args: argparse.Namespace) -> None:
     figures: dict[str, Any] = {}
     baseline: dict[str, Any] = {}
     for variant, result in results.items():
-        suffix = "" if variant == "full" else f"_{variant}"
+        suffix = variant_suffix(variant)
         ttft = result["p0_ttft"]
         for phase in ("unloaded", "loaded"):
             through, straight = ttft[f"sits_path_{phase}"], ttft[f"direct_{phase}"]
