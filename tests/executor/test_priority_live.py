@@ -46,11 +46,11 @@ async def test_a_p0_request_preempts_the_newest_lowest_tier_request_when_the_run
     assert start["engine"]["policy"] == "priority", "the engine must run vLLM's priority policy"
     async with EngineControlClient(engine.control_address, timeout_s=30) as control:
         await control.set_limits({"max_num_running_reqs": 2})
-    # Twenty-four P2 streams behind a cap of two keep the engine full for twelve rounds of 400 tokens.
-    # Ten (five rounds) were not enough on a loaded 2-core host: the P2 streams had all finished
-    # (step 2093, nothing running) before the P0 request reached the scheduler (CI of 2026-12-06).
-    # Thirty-two, and "full" read from the tier's own counts with 4 waiting: a CI run of 2026-12-06 13:35 saw
-    # all 24 streams finish within the 60 s poll without one read matching 2 running and 8 waiting.
+    # Thirty-two P2 streams behind a cap of two keep the engine full for sixteen rounds of 400 tokens.
+    # Ten were not enough on a loaded 2-core host (all finished before the P0 request reached the
+    # scheduler), and with twenty-four a CI run of 2026-12-06 13:35 saw every stream finish within
+    # the 60 s poll without one read matching 2 running and 8 waiting: "full" is now P2's own
+    # counts with 4 waiting, polled for up to 120 s, and a failure lists every read.
     p2_streams = 32
     channel, lows = await start_streams(engine.address, p2_streams, prompt_len=24, max_tokens=400, prefix="p2-full")
     address = engine.control_address
