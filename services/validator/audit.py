@@ -58,14 +58,15 @@ class AuditStore:
             return False
         score = verdict.settled_at.seconds + verdict.settled_at.nanos / 1e9
         oldest = score - self._retention_ms / 1000
-        indexes = (self._k("all"), self._k("target", target_key), self._k("outcome", str(verdict.verdict)))
+        by_target = self._k("target", target_key)
+        indexes = (self._k("all"), by_target, self._k("outcome", str(verdict.verdict)))
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.set(self._k("by-action", verdict.action_id), verdict.verdict_id, px=self._retention_ms)
             pipe.set(self._k("verdict", verdict.verdict_id), verdict.SerializeToString(), px=self._retention_ms)
             for index in indexes:
                 pipe.zadd(index, {verdict.verdict_id: score})
                 pipe.zremrangebyscore(index, "-inf", f"({oldest}")
-            pipe.pexpire(indexes[1], self._retention_ms)
+            pipe.pexpire(by_target, self._retention_ms)
             pipe.hdel(self._k("pending"), verdict.action_id)
             await pipe.execute()
         return True
