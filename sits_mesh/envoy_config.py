@@ -37,6 +37,7 @@ _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.Exter
 _EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 _LOCAL_RATELIMIT = "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+_BUFFER = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
 HTTP_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _INJECTED = "type.googleapis.com/envoy.extensions.resource_monitors.injected_resource.v3.InjectedResourceConfig"
 HTTP_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -44,6 +45,7 @@ EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 LOCAL_RATELIMIT_FILTER = "envoy.filters.http.local_ratelimit"
 JSON_CHECK_FILTER = "envoy.filters.http.json_to_metadata"
 BODY_RULES_FILTER = "envoy.filters.http.rbac"
+HOLD_FILTER = "envoy.filters.http.buffer"
 _JSON_TO_METADATA = "type.googleapis.com/envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata"
 _RBAC = "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC"
 _RBAC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBACPerRoute"
@@ -535,8 +537,22 @@ def http_filters(policy: MeshPolicy) -> list[dict[str, Any]]:
         if policy.engine_api == "openai" and policy.admission.bypass_max_request_tokens:
             filters += _json_check_filters(policy)
         filters.append({"name": EXT_PROC_FILTER, "typed_config": ext_proc_filter(policy)})
+        if policy.engine_api == "openai" and not policy.admission.send_headers:
+            filters.append(_hold_until_admitted(policy))
     filters.append({"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER}})
     return filters
+
+
+def _hold_until_admitted(policy: MeshPolicy) -> dict[str, Any]:
+    """Holds the request's headers from the router until its whole body has passed the processor.
+
+    Without a header phase (ext_proc skips the headers), the router would open the upstream request
+    on the headers, before admission answers: a refused request would reach the engine as headers
+    and a reset. The processor learns the tier and endpoint from the route (`_ext_proc_priority`),
+    so the one body message is all it needs; the header round trip this saves was a third of what
+    the processor added to a first token.
+    """
+    return {"name": HOLD_FILTER, "typed_config": {_TYPE: _BUFFER, "max_request_bytes": policy.http.max_body_bytes}}
 
 
 def ext_proc_filter(policy: MeshPolicy) -> dict[str, Any]:
@@ -555,9 +571,9 @@ def ext_proc_filter(policy: MeshPolicy) -> dict[str, Any]:
         # STREAMED: the processor sees the prompt chunk by chunk, so a huge
         # prompt is judged without Envoy buffering it whole.
         "processing_mode": {
-            # On the HTTP path the headers go too: while the processor holds them, the router has not
-            # opened an upstream request, so a refused request never reaches the engine at all.
-            "request_header_mode": "SEND" if admission.send_headers or policy.engine_api == "openai" else "SKIP",
+            # The route names the tier (and on the HTTP path the endpoint) in the stream's metadata, so
+            # the headers go only where no SITS route does (an Istio sidecar sets send_headers).
+            "request_header_mode": "SEND" if admission.send_headers else "SKIP",
             "response_header_mode": "SKIP",
             # A JSON body is judged whole: Envoy buffers it (up to http.max_body_bytes, else 413).
             "request_body_mode": "BUFFERED" if policy.engine_api == "openai" else admission.body_mode,

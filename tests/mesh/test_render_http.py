@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 import yaml
 
-from sits_mesh.envoy_config import EXT_PROC_FILTER, local_reply_config, render_bootstrap, render_bootstrap_yaml
+from sits_mesh.envoy_config import (
+    EXT_PROC_FILTER,
+    HOLD_FILTER,
+    local_reply_config,
+    render_bootstrap,
+    render_bootstrap_yaml,
+)
 from sits_mesh.istio import render_istio
 from sits_mesh.policy import MeshPolicy
 from tests.mesh.helpers import apply_bootstrap_patches, envoy_validate, manager_of, policy_with_pressure_file
@@ -63,6 +69,19 @@ def test_tenant_keys_decide_the_tier_and_the_clients_tier_header_matches_nothing
     for cluster in bootstrap["static_resources"]["clusters"][:3]:
         options = cluster["typed_extension_protocol_options"]
         assert next(iter(options.values()))["explicit_http_config"] == {"http_protocol_options": {}}
+
+
+@pytest.mark.parametrize("variant", ["openai", "openai_bypass"])
+def test_the_processor_gets_one_body_message_and_the_router_waits_for_its_answer(variant: str, tmp_path: Path) -> None:
+    filters = manager_of(render_bootstrap(policy_with_pressure_file(VARIANTS[variant], tmp_path)))["http_filters"]
+    names = [f["name"] for f in filters]
+    mode = next(f for f in filters if f["name"] == EXT_PROC_FILTER)["typed_config"]["processing_mode"]
+    assert (mode["request_header_mode"], mode["request_body_mode"]) == ("SKIP", "BUFFERED")
+    # Without the header phase, only the buffer filter between the processor and the router keeps a request
+    # the processor refuses from opening an upstream request (test_http_live checks no refusal reaches vLLM).
+    assert names[-3:] == [EXT_PROC_FILTER, HOLD_FILTER, "envoy.filters.http.router"]
+    hold = filters[-2]["typed_config"]
+    assert hold["max_request_bytes"] == MeshPolicy().http.max_body_bytes
 
 
 def test_local_replies_are_openai_errors_with_retry_after_for_shedding_and_overload() -> None:
