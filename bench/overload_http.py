@@ -16,7 +16,8 @@ flight (three times the engine's slots: the headline figures), sent at most
 Phases, one engine at a time (the machine is shared): the baseline engine
 unloaded and loaded; then the SITS engine: a non-overloaded sweep at the
 engine's capacity straight to the engine and through Envoy + SITS (throughput
-and added TTFT), then unloaded and loaded. Each AIPerf run sends warm-up
+and added TTFT; the two alternated `CAPACITY_PAIRS` times in half-length phases,
+the added TTFT the median of the pairs' differences), then unloaded and loaded. Each AIPerf run sends warm-up
 requests first (left out of its figures), so no phase's tail is its
 connections' set-up. The whole run is done twice, as `bench.overload`: on
 the whole machine, then with the engine confined to one CPU (`half_cpu`,
@@ -41,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, write_result
+from bench.common import RESULTS, median, write_result
 from bench.load_tool import AIPERF_VERSION, ensure_aiperf
 from bench.overload import VARIANTS, variant_suffix
 from sits_app.demo.paths import EngineShape, start_baseline, start_engines, start_sits
@@ -53,6 +54,9 @@ TOOL_OUT = RESULTS / "overload_http"
 CAPACITY = 4
 P0_CONCURRENCY = 2
 LOAD_CONCURRENCY = 12
+# The non-overloaded sweep, straight to the engine and through SITS, alternated this many times in phases of
+# half the length: what the machine drifts by in a few minutes is as large as the millisecond it measures.
+CAPACITY_PAIRS = 3
 # Rising P2 load, in flight: 1x and 2x the engine's slots, then 3x ("loaded", the headline figures).
 SWEEP = (("load_1x", CAPACITY), ("load_2x", 2 * CAPACITY), ("loaded", LOAD_CONCURRENCY))
 # P2's arrival cap: the 12 in flight keep the engine's 4 slots 3x over; the cap bounds how fast a refused
@@ -214,10 +218,17 @@ class Runner:
         self.phases: dict[str, dict[str, Any]] = {}
 
     async def phase(
-        self, name: str, url: str, engine: VllmOpenAIServer, load: int = 0, p0: int = P0_CONCURRENCY
+        self,
+        name: str,
+        url: str,
+        engine: VllmOpenAIServer,
+        load: int = 0,
+        p0: int = P0_CONCURRENCY,
+        seconds: float | None = None,
     ) -> None:
-        print(f"phase {name}: {url} P0 x{p0}{f' + P2 x{load}' if load else ''} for {self.seconds:.0f} s", flush=True)
-        runs = [aiperf(self.command, url, engine, "p0", self.seconds, self.workdir / name / "p0", concurrency=p0)]
+        seconds = seconds or self.seconds
+        print(f"phase {name}: {url} P0 x{p0}{f' + P2 x{load}' if load else ''} for {seconds:.0f} s", flush=True)
+        runs = [aiperf(self.command, url, engine, "p0", seconds, self.workdir / name / "p0", concurrency=p0)]
         if load:
             runs.append(
                 aiperf(
@@ -225,7 +236,7 @@ class Runner:
                     url,
                     engine,
                     "p2",
-                    self.seconds,
+                    seconds,
                     self.workdir / name / "p2",
                     concurrency=load,
                     rate=LOAD_RATE,
@@ -269,8 +280,11 @@ async def run(args: argparse.Namespace) -> None:
                 engines = await start_engines(stack, model, shape, workdir, baseline=False, sits=True)
                 sits = await start_sits(stack, engines["sits"], workdir, POLICY, progress=print)
                 engine = _openai(engines["sits"])
-                await runner.phase("direct_capacity", url_of(engine.address), engine, p0=CAPACITY)
-                await runner.phase("sits_capacity", url_of(sits.address), engine, p0=CAPACITY)
+                for pair in capacity_pairs():
+                    for path, address in (("direct", engine.address), ("sits", sits.address)):
+                        await runner.phase(
+                            f"{path}_capacity{pair}", url_of(address), engine, p0=CAPACITY, seconds=args.seconds / 2
+                        )
                 await runner.phase("with_unloaded", url_of(sits.address), engine)
                 for name, load in SWEEP:
                     await runner.phase(f"with_{name}", url_of(sits.address), engine, load)
@@ -287,9 +301,18 @@ def ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b else 0.0
 
 
+def capacity_pairs() -> list[str]:
+    """The suffixes of the alternated capacity phases: direct_capacity, sits_capacity, direct_capacity_2, ..."""
+    return ["" if index == 0 else f"_{index + 1}" for index in range(CAPACITY_PAIRS)]
+
+
 def variant_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(figures, baseline) of one variant's phases."""
     p0 = {name: tiers["p0"] for name, tiers in phases.items()}
+    # Runs recorded before the phases alternated have one pair.
+    pairs = [
+        (p0[f"direct_capacity{s}"], p0[f"sits_capacity{s}"]) for s in capacity_pairs() if f"sits_capacity{s}" in p0
+    ]
     with_loaded = phases["with_loaded"]["p0"]
     served, refused = with_loaded["served"], with_loaded["refused"]
     figures: dict[str, Any] = {
@@ -299,9 +322,11 @@ def variant_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], 
         ),
         "p0_ttft_p99_with_over_without": ratio(with_loaded["ttft_p99_ms"], p0["without_loaded"]["ttft_p99_ms"]),
         "throughput_ratio": ratio(
-            p0["sits_capacity"]["output_tokens_per_s"], p0["direct_capacity"]["output_tokens_per_s"]
+            sum(s["output_tokens_per_s"] for _, s in pairs), sum(d["output_tokens_per_s"] for d, _ in pairs)
         ),
-        "ttft_p50_added_ms": round(p0["sits_capacity"]["ttft_p50_ms"] - p0["direct_capacity"]["ttft_p50_ms"], 2),
+        # The median over the pairs of each pair's difference: a pair shares the machine's state of the moment.
+        "ttft_p50_added_ms": round(median([s["ttft_p50_ms"] - d["ttft_p50_ms"] for d, s in pairs]), 2),
+        "capacity_pairs": len(pairs),
         "p0_served_ratio": ratio(served, served + refused),
         "p0_samples_per_phase": min(p["served"] for p in p0.values()),
         "p2_refused_fraction_with_sits": phases["with_loaded"]["p2"]["refused_fraction"],
@@ -316,8 +341,8 @@ def variant_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], 
         "p0_ttft_p99_ms_with_loaded": with_loaded["ttft_p99_ms"],
         "p0_ttft_p99_ms_without_unloaded": p0["without_unloaded"]["ttft_p99_ms"],
         "p0_ttft_p99_ms_without_loaded": p0["without_loaded"]["ttft_p99_ms"],
-        "direct_output_tokens_per_s": p0["direct_capacity"]["output_tokens_per_s"],
-        "direct_ttft_p50_ms": p0["direct_capacity"]["ttft_p50_ms"],
+        "direct_output_tokens_per_s": round(median([d["output_tokens_per_s"] for d, _ in pairs]), 2),
+        "direct_ttft_p50_ms": round(median([d["ttft_p50_ms"] for d, _ in pairs]), 2),
     }
     return figures, baseline
 
@@ -360,7 +385,9 @@ def record(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Names
         "Phases of "
         f"{args.seconds:.0f} s, one engine at a time: the baseline (vLLM FCFS behind Envoy alone) first, then "
         "the SITS path (plugin, Envoy + admission processor, the whole loop). capacity phases: P0 at the engine's "
-        "capacity straight to the engine and through Envoy + SITS (throughput_ratio, ttft_p50_added_ms). "
+        f"capacity straight to the engine and through Envoy + SITS, alternated {CAPACITY_PAIRS} times in phases of "
+        f"{args.seconds / 2:.0f} s (throughput_ratio: over all of them; ttft_p50_added_ms: the median of the "
+        "pairs' differences; direct figures in baseline: medians). "
         "half_cpu: the engine confined to one CPU with taskset (its API server, EngineCore and worker share it), "
         "keys with _half_cpu. Single run per variant on a shared 2-core machine."
     )
