@@ -9,15 +9,15 @@ from services.decision.domain.controller import (
     P1,
     P2,
     BudgetState,
-    ControlSettings,
     EngineSignals,
     Move,
     TierController,
     split_budget,
 )
+from services.decision.domain.policy import ControllerSettings
 from services.decision.domain.types import TierLoad
 
-SETTINGS = ControlSettings(tick_s=0.5, p0_queue_wait_p90_s=0.1, lookahead=2, lease_s=5.0, release_after_s=10.0)
+SETTINGS = ControllerSettings(tick_s=0.5, p0_queue_wait_p90_s=0.1, lookahead=2, lease_s=5.0, release_after_s=10.0)
 CAP = 8
 
 

@@ -55,34 +55,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.decision.domain.policy import ControllerSettings
 from services.decision.domain.types import TierLoad
 
 P0, P1, P2 = 0, 1, 2
 LOWER_TIERS = (P1, P2)
-
-
-@dataclass(frozen=True, slots=True)
-class ControlSettings:
-    """The controller's part of the policy (validated there, `controller:` in the YAML)."""
-
-    enabled: bool = True
-    tick_s: float = 0.5
-    p0_queue_wait_p90_s: float = 0.1
-    lookahead: int = 2
-    budget_min: int = 1
-    decrease_factor: float = 0.5
-    increase_step: int = 1
-    p1_share: float = 0.6
-    engage_ticks: int = 2
-    release_after_s: float = 15.0
-    lease_s: float = 5.0
-    backoff_s: float = 60.0
-    max_backoff_s: float = 300.0
-    drain_backlog: bool = True
-    settle_min_s: float = 2.0
-    settle_max_s: float = 30.0
-    max_signal_age_s: float = 3.0
-    no_loosen_after_oom_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +162,7 @@ def split_budget(budget: int, ceiling: int, p1_share: float, *, p1_in_engine: in
 
 
 class TierController:
-    def __init__(self, settings: ControlSettings) -> None:
+    def __init__(self, settings: ControllerSettings) -> None:
         self.settings = settings
 
     def ceiling(self, signals: EngineSignals) -> int:

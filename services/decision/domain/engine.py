@@ -18,7 +18,6 @@ from services.decision.domain.admission import AdmitDecision, EngineProfile
 from services.decision.domain.controller import (
     BudgetCommand,
     BudgetState,
-    ControlSettings,
     EngineSignals,
     Move,
     TierController,
@@ -174,29 +173,7 @@ class DecisionEngine:
     def set_policy(self, policy: Policy) -> None:
         self._policy = policy
         spec = policy.spec
-        c = spec.controller
-        self._controller = TierController(
-            ControlSettings(
-                enabled=c.enabled,
-                tick_s=c.tick_s,
-                p0_queue_wait_p90_s=c.p0_queue_wait_p90_s,
-                lookahead=c.lookahead,
-                budget_min=c.budget_min,
-                decrease_factor=c.decrease_factor,
-                increase_step=c.increase_step,
-                p1_share=c.p1_share,
-                engage_ticks=c.engage_ticks,
-                release_after_s=c.release_after_s,
-                lease_s=c.lease_s,
-                backoff_s=c.backoff_s,
-                max_backoff_s=c.max_backoff_s,
-                drain_backlog=c.drain_backlog,
-                settle_min_s=c.settle_min_s,
-                settle_max_s=c.settle_max_s,
-                max_signal_age_s=c.max_signal_age_s,
-                no_loosen_after_oom_s=c.no_loosen_after_oom_s,
-            )
-        )
+        self._controller = TierController(spec.controller)
         self._sample_rules = tuple(r for r in spec.rules if not r.when.on_oom)
         self._oom_rules = tuple(r for r in spec.rules if r.when.on_oom)
         self._needs_root_cause = any(r.when.root_cause_in for r in spec.rules)
