@@ -16,12 +16,12 @@ flight (three times the engine's slots: the headline figures), sent at most
 Phases, one engine at a time (the machine is shared): the baseline engine
 unloaded and loaded; then the SITS engine: a non-overloaded sweep at the
 engine's capacity straight to the engine and through Envoy + SITS (throughput
-and added TTFT; the two alternated `CAPACITY_PAIRS` times in half-length phases,
-the added TTFT the median of the pairs' differences), then unloaded and loaded. Each AIPerf run sends warm-up
-requests first (left out of its figures), so no phase's tail is its
-connections' set-up. The whole run is done twice, as `bench.overload`: on
-the whole machine, then with the engine confined to one CPU (`half_cpu`,
-keys suffixed `_half_cpu`). AIPerf's own exports go to
+and added TTFT; the two alternated `CAPACITY_PAIRS` times in half-length
+phases, the added TTFT the median of the pairs' differences), then unloaded
+and loaded. Each AIPerf run sends warm-up requests first (left out of its
+figures), so no phase's tail is its connections' set-up. The whole run is
+done twice, as `bench.overload`: on the whole machine, then with the engine
+confined to one CPU (`half_cpu`, keys suffixed `_half_cpu`). AIPerf's own exports go to
 bench/results/overload_http/, ours to bench/results/overload_http.json.
 
 Run: .venv/bin/python -m bench.overload_http [--seconds 40] [--variants full,half_cpu]

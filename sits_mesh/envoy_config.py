@@ -549,8 +549,8 @@ def _hold_until_admitted(policy: MeshPolicy) -> dict[str, Any]:
     Without a header phase (ext_proc skips the headers), the router would open the upstream request
     on the headers, before admission answers: a refused request would reach the engine as headers
     and a reset. The processor learns the tier and endpoint from the route (`_ext_proc_priority`),
-    so the one body message is all it needs; the header round trip this saves was a third of what
-    the processor added to a first token.
+    so the one body message is all it needs: a round trip to the processor less per request, about
+    0.5 ms at p50 (docs/http.md).
     """
     return {"name": HOLD_FILTER, "typed_config": {_TYPE: _BUFFER, "max_request_bytes": policy.http.max_body_bytes}}
 
