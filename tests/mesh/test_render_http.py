@@ -82,6 +82,15 @@ def test_the_processor_gets_one_body_message_and_the_router_waits_for_its_answer
     assert names[-3:] == [EXT_PROC_FILTER, HOLD_FILTER, "envoy.filters.http.router"]
     hold = filters[-2]["typed_config"]
     assert hold["max_request_bytes"] == MeshPolicy().http.max_body_bytes
+    # What skips the processor skips the hold too: the bypass routes, and only they.
+    routes = manager_of(render_bootstrap(policy_with_pressure_file(VARIANTS[variant], tmp_path)))["route_config"]
+    held = {
+        r["name"]: HOLD_FILTER not in r.get("typed_per_filter_config", {})
+        for r in routes["virtual_hosts"][0]["routes"]
+        if r["name"].endswith(("_chat", "_completions", "_chat_bypass", "_completions_bypass"))
+    }
+    assert held and all(is_held != name.endswith("_bypass") for name, is_held in held.items())
+    assert any(name.endswith("_bypass") for name in held) == (variant == "openai_bypass")
 
 
 def test_local_replies_are_openai_errors_with_retry_after_for_shedding_and_overload() -> None:
