@@ -45,7 +45,7 @@ from typing import Any
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from bench.common import quantile, write_result
+from bench.common import quantile, utc_stamp, write_result
 from sits.runtime.events import Topics
 from sits.runtime.tap import TopicTap
 from sits_app.demo.paths import EngineShape, Served, start_baseline, start_engines, start_sits
@@ -316,7 +316,7 @@ async def run(args: argparse.Namespace) -> None:
         workdir = Path(tempfile.mkdtemp(prefix=f"sits-bench-overload-{variant}-"))
         print(f"== variant {variant} (logs in {workdir})", flush=True)
         results[variant] = await run_variant(args, cpus, workdir)
-        results[variant]["detail"]["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        results[variant]["detail"]["measured_at"] = utc_stamp()
         print(json.dumps(results[variant]["figures"], indent=2), flush=True)
         # Written after each variant: a later one that fails keeps what the earlier ones measured.
         record(args, results)
@@ -333,7 +333,7 @@ def record(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None
             if variant not in results:
                 suffix = variant_suffix(variant)
                 figures.update({k: v for k, v in kept["figures"].items() if is_variant_key(k, variant, suffix)})
-                details[variant] = {**detail, "measured_at": detail.get("measured_at", kept.get("measured_at"))}
+                details[variant] = detail
     for variant, result in results.items():
         suffix = variant_suffix(variant)
         figures.update({f"{k}{suffix}": v for k, v in result["figures"].items()})

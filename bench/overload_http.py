@@ -21,8 +21,9 @@ phases, the added TTFT the median of the pairs' differences), then unloaded
 and loaded. Each AIPerf run sends warm-up requests first (left out of its
 figures), so no phase's tail is its connections' set-up. The whole run is
 done twice, as `bench.overload`: on the whole machine, then with the engine
-confined to one CPU (`half_cpu`, keys suffixed `_half_cpu`). AIPerf's own exports go to
-bench/results/overload_http/, ours to bench/results/overload_http.json.
+confined to one CPU (`half_cpu`, keys suffixed `_half_cpu`). AIPerf's own
+exports go to bench/results/overload_http/, ours to
+bench/results/overload_http.json.
 
 Run: .venv/bin/python -m bench.overload_http [--seconds 40] [--variants full,half_cpu]
 """
@@ -42,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, median, write_result
+from bench.common import RESULTS, median, utc_stamp, write_result
 from bench.load_tool import AIPERF_VERSION, ensure_aiperf
 from bench.overload import VARIANTS, variant_suffix
 from sits_app.demo.paths import EngineShape, start_baseline, start_engines, start_sits
@@ -309,10 +310,7 @@ def capacity_pairs() -> list[str]:
 def variant_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(figures, baseline) of one variant's phases."""
     p0 = {name: tiers["p0"] for name, tiers in phases.items()}
-    # Runs recorded before the phases alternated have one pair.
-    pairs = [
-        (p0[f"direct_capacity{s}"], p0[f"sits_capacity{s}"]) for s in capacity_pairs() if f"sits_capacity{s}" in p0
-    ]
+    pairs = [(p0[f"direct_capacity{s}"], p0[f"sits_capacity{s}"]) for s in capacity_pairs()]
     with_loaded = phases["with_loaded"]["p0"]
     served, refused = with_loaded["served"], with_loaded["refused"]
     figures: dict[str, Any] = {
@@ -354,11 +352,8 @@ def record(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Names
     previous = RESULTS / "overload_http.json"
     if previous.exists():
         kept = json.loads(previous.read_text())
-        detail = kept.get("detail", {})
-        if "with_loaded" in detail:  # written before variants: the phases of the full machine
-            detail = {"full": {"phases": detail, "measured_at": kept.get("measured_at")}}
-        details = {name: d for name, d in detail.items() if name in VARIANTS and name != variant}
-    details[variant] = {"phases": phases, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        details = {name: d for name, d in kept["detail"].items() if name in VARIANTS and name != variant}
+    details[variant] = {"phases": phases, "measured_at": utc_stamp()}
     figures: dict[str, Any] = {"tool": f"aiperf {AIPERF_VERSION}"}
     baseline: dict[str, Any] = {}
     for name in VARIANTS:

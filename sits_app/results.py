@@ -22,6 +22,11 @@ def machine() -> str:
     return f"{os.cpu_count()}-core CPU machine ({platform.machine()}, Python {platform.python_version()})"
 
 
+def utc_stamp() -> str:
+    """Now, as every result file's `measured_at` is written."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def write_result(
     name: str,
     *,
@@ -36,7 +41,7 @@ def write_result(
     RESULTS.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {
         "name": name,
-        "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "measured_at": utc_stamp(),
         "machine": machine_text or machine(),
         "command": command,
         "figures": figures,

@@ -408,7 +408,7 @@ def _openai_bypass(policy: MeshPolicy, inspected: dict[str, Any]) -> dict[str, A
         "match": {**inspected["match"], "runtime_fraction": _runtime_percent(0, ADMISSION_BYPASS_KEY)},
         "typed_per_filter_config": {
             **_no_ext_proc(),
-            **({HOLD_FILTER: {_TYPE: _BUFFER_PER_ROUTE, "disabled": True}} if holds_until_admitted(policy) else {}),
+            **({HOLD_FILTER: {_TYPE: _BUFFER_PER_ROUTE, "disabled": True}} if _holds_until_admitted(policy) else {}),
             BODY_RULES_FILTER: {
                 _TYPE: _FILTER_CONFIG,
                 "disabled": False,
@@ -539,13 +539,13 @@ def http_filters(policy: MeshPolicy) -> list[dict[str, Any]]:
         if policy.engine_api == "openai" and policy.admission.bypass_max_request_tokens:
             filters += _json_check_filters(policy)
         filters.append({"name": EXT_PROC_FILTER, "typed_config": ext_proc_filter(policy)})
-        if holds_until_admitted(policy):
+        if _holds_until_admitted(policy):
             filters.append(_hold_until_admitted(policy))
     filters.append({"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER}})
     return filters
 
 
-def holds_until_admitted(policy: MeshPolicy) -> bool:
+def _holds_until_admitted(policy: MeshPolicy) -> bool:
     return policy.admission.enabled and policy.engine_api == "openai" and not policy.admission.send_headers
 
 
