@@ -233,7 +233,7 @@ async def run_variant(args: argparse.Namespace, cpus: int, workdir: Path) -> dic
         topics = Topics("")
         tap = TopicTap(
             with_sits.stack.broker.bootstrap,
-            [topics.metrics, topics.commands, topics.results, topics.validation],
+            [*topics.samples, topics.commands, topics.results, topics.validation],
             timeline.on_event,
         )
         await stack.enter_async_context(tap)

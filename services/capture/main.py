@@ -44,6 +44,7 @@ async def serve(settings: CaptureSettings, stop: asyncio.Event | None = None) ->
             batch_size=settings.capture_publish_batch,
             trace_samples_above=settings.capture_trace_samples_above,
             linger_s=settings.capture_linger_ms / 1000,
+            urgent_lane=settings.capture_urgent_lane,
         )
         service = CaptureService(
             publisher,

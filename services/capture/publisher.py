@@ -11,7 +11,13 @@ for more of their target's to share a record, as Kafka's own `linger.ms`
 does: a fleet of engines at 10 Hz otherwise sends one sample per record, and
 per-record work then dominates every stage. An OOM event, a sample under
 pressure (memory at or above `trace_samples_above`) or a full batch ends the
-wait at once, so what the loop must act on is never held back.
+wait at once, so what the loop must act on is never held back. Samples under
+pressure also travel on a topic of their own (`sits.metrics.urgent.v1`, unless
+`urgent_lane` is off), which consumers handle before anything else: in a fleet
+whose calm samples outrun the decision, the ones heading to OOM do not queue
+behind them. Here too they (and OOM events) go before the calm samples queued
+and before the spool's backlog while the broker answers; the spool keeps order
+within each lane.
 When the broker fails, the batch in hand and everything after it go
 to the spool, in order; a drain loop retries with backoff and, once the broker
 answers, publishes the spool oldest-first before new events flow directly
@@ -89,15 +95,21 @@ class CapturePublisher:
         delivery_timeout_s: float = 10.0,
         trace_samples_above: float = 0.8,
         linger_s: float = 0.0,
+        urgent_lane: bool = True,
     ) -> None:
         self._producer_factory = producer_factory
         self._trace_samples_above = trace_samples_above
         self._producer: Producer | None = None
         self._spool = spool
         self._metrics_topic, self._oom_topic = topics.metrics, topics.oom
+        self._urgent_topic = topics.metrics_urgent if urgent_lane else topics.metrics
         self._batch_size = batch_size
         self._capacity = queue_capacity
         self._queue: deque[_Pending] = deque()
+        # With the urgent lane: OOMs and samples under pressure, published before calm samples and the spool.
+        # Without it, they queue with the rest (one topic, one order).
+        self._urgent: deque[_Pending] = deque()
+        self._urgent_queue = self._urgent if urgent_lane else self._queue
         self._wakeup = asyncio.Event()
         self._linger_s = linger_s
         # Set when what is queued must go now: an OOM, a sample under pressure, a full batch.
@@ -115,26 +127,30 @@ class CapturePublisher:
     def submit(self, event: events_pb2.MetricSample | events_pb2.OomEvent) -> None:
         if isinstance(event, events_pb2.OomEvent):
             pending = _Pending(RecordKind.OOM, self._oom_topic, event, otel_context.get_current())
+            queue = self._urgent_queue
+            self._flush_now.set()
+        elif self._under_pressure(event):
+            pending = _Pending(RecordKind.METRIC, self._urgent_topic, event, None)
+            queue = self._urgent_queue
             self._flush_now.set()
         else:
             pending = _Pending(RecordKind.METRIC, self._metrics_topic, event, None)
-            if self._linger_s and self._under_pressure(event):
-                self._flush_now.set()
-        if not self._queue:
+            queue = self._queue
+        if not self._queue and queue is self._queue:  # the linger counts from the oldest calm sample
             self._oldest_queued_at = time.monotonic()
-        if len(self._queue) >= self._capacity:
+        if len(queue) >= self._capacity:
             # The publisher cannot keep up: the disk takes the backlog (bounded there, OOMs kept),
             # all of it so that order holds.
-            self._to_spool([*self._take(len(self._queue)), pending])
+            self._to_spool([*self._take(queue, len(queue)), pending])
         else:
-            self._queue.append(pending)
-            if len(self._queue) >= self._batch_size:
+            queue.append(pending)
+            if len(queue) >= self._batch_size:
                 self._flush_now.set()
         self._wakeup.set()
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + len(self._urgent)
 
     @property
     def spool(self) -> Spool:
@@ -148,25 +164,34 @@ class CapturePublisher:
             while not stop.is_set():
                 if not self.online:
                     await self._try_reconnect()
+                if self.online and self._urgent:
+                    # Ahead of the spool and of calm samples: a publisher behind on those (a slow broker,
+                    # a burst) must not hold back what the loop acts on.
+                    await self._publish_batch(self._take(self._urgent, self._batch_size))
+                    continue
                 if self.online and self._spool.pending:
                     await self._drain_once()
                     continue
-                if not self._queue:
+                if not self._queue and not self._urgent:
                     self._wakeup.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wakeup.wait(), timeout=0.2)
                     continue
                 if not self.online or self._spool.pending:
                     # Order: while the spool has older events, new ones queue behind them on disk.
-                    self._to_spool(self._take(len(self._queue)))
+                    self._to_spool(self._take_all())
                     if not self.online:
                         await self._sleep(self._backoff.next_delay())
                     continue
                 await self._linger(stop)
+                if self._urgent:
+                    # Those first; the wait is over for the calm samples too (`_flush_now` stays set), so a
+                    # target's samples before its pressure are not held back behind it.
+                    continue
                 self._flush_now.clear()
-                await self._publish_batch(self._take(self._batch_size))
+                await self._publish_batch(self._take(self._queue, self._batch_size))
         finally:
-            self._to_spool(self._take(len(self._queue)))
+            self._to_spool(self._take_all())
             self._spool.sync()
             await self._close_producer()
 
@@ -178,8 +203,12 @@ class CapturePublisher:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._flush_now.wait(), timeout=left)
 
-    def _take(self, count: int) -> list[_Pending]:
-        return [self._queue.popleft() for _ in range(min(count, len(self._queue)))]
+    @staticmethod
+    def _take(queue: deque[_Pending], count: int) -> list[_Pending]:
+        return [queue.popleft() for _ in range(min(count, len(queue)))]
+
+    def _take_all(self) -> list[_Pending]:
+        return self._take(self._urgent, len(self._urgent)) + self._take(self._queue, len(self._queue))
 
     async def _publish_batch(self, batch: list[_Pending]) -> None:
         try:
@@ -277,7 +306,7 @@ class CapturePublisher:
             with contextlib.suppress(Exception):
                 await producer.stop()
             self._went_offline(exc)
-            if not self._queue:
+            if not self.queued:
                 await self._sleep(self._backoff.next_delay())
             return
         self._producer = producer
@@ -332,7 +361,7 @@ class TopicEnsuringProducer:
         from sits.runtime.bus import ensure_topics
 
         topics = Topics(self._settings.topic_prefix)
-        await ensure_topics(self._settings, [topics.metrics, topics.oom])
+        await ensure_topics(self._settings, [*topics.samples, topics.oom])
         await self._producer.start()
 
     async def stop(self) -> None:

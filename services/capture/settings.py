@@ -96,8 +96,13 @@ class CaptureSettings(Settings):
         0.8,
         ge=0.0,
         le=1.0,
-        description="Samples at or above this memory fraction carry a trace (where incidents start); calmer ones "
-        "are published without a span.",
+        description="Samples at or above this memory fraction are under pressure: they carry a trace (where "
+        "incidents start) and travel on the urgent lane; calmer ones are published without a span.",
+    )
+    capture_urgent_lane: bool = Field(
+        True,
+        description="Publish samples at or above SITS_CAPTURE_TRACE_SAMPLES_ABOVE on sits.metrics.urgent.v1, which "
+        "the decision and the validator handle before calm samples (false: every sample on sits.metrics.v1).",
     )
     capture_linger_ms: float = Field(
         0.0,

@@ -1,4 +1,4 @@
-"""Wiring of the decision service: Kafka in (metrics, OOM, results, verdicts), Kafka out (commands), gRPC API.
+"""Wiring of the decision service: Kafka in (metrics, both lanes; OOM, results, verdicts), out (commands), gRPC API.
 
 The work itself is in services/decision/service.py. Every command is signed with
 the first key of SITS_COMMAND_SIGNING_KEY_FILE: executors apply no unsigned command.
@@ -32,12 +32,13 @@ async def serve(settings: DecisionSettings, stop: asyncio.Event | None = None) -
         handler = DecisionHandler(engine, producer, app.topics)
         moves = PartitionMoves(engine, HandoverStore(app.redis(), settings.topic_prefix, app.group), app.topics.metrics)
         moves.consumer = await app.consumer(
-            [app.topics.metrics, app.topics.oom, app.topics.results, app.topics.validation],
+            [*app.topics.samples, app.topics.oom, app.topics.results, app.topics.validation],
             handler,
             on_assigned=moves.assigned,
             on_revoked=moves.revoked,
-            replay={app.topics.metrics: settings.decision_replay_records},
+            replay=dict.fromkeys(app.topics.samples, settings.decision_replay_records),
             before_commit=handler.delivered,
+            urgent_topics=app.topics.urgent,
         )
         await app.run(run_ticks(handler, engine, app.stop))
 

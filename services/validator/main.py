@@ -48,10 +48,11 @@ async def serve(settings: ValidatorSettings, stop: asyncio.Event | None = None) 
         )
         moves = PendingMoves(service, app.topics.results)
         moves.consumer = await app.consumer(
-            [app.topics.results, app.topics.metrics, app.topics.oom],
+            [app.topics.results, *app.topics.samples, app.topics.oom],
             service.handle,
             on_assigned=moves.assigned,
             on_revoked=moves.revoked,
+            urgent_topics=app.topics.urgent,
         )
         api = ValidatorApi(audit, service.live)
         name = validator_pb2.DESCRIPTOR.services_by_name["Validator"].full_name

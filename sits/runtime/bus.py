@@ -15,7 +15,10 @@ a backoff, so a dependency outage (Redis, say) delays work and loses none.
 A MetricBatch record reaches the handler as its samples, one by one (a retry
 replays the whole record; handlers are idempotent on event_id). When a consumer
 lags, metric samples in one poll are coalesced per target (latest wins), so a
-burst costs one handler call per target, not per sample.
+burst costs one handler call per target, not per sample. Records of a consumer's
+urgent topics (samples under pressure, OOMs) are handled first in every round,
+before any other record already fetched: a backlog of calm samples delays them
+by at most the batch in hand.
 
 Replicas: every service's group uses the range assignor, so partition p of each
 of its topics goes to the same member (the topics share partition count and
@@ -324,13 +327,16 @@ class EventConsumer:
         on_revoked: PartitionsChanged | None = None,
         replay: Mapping[str, int] | None = None,
         before_commit: Callable[[], Awaitable[None]] | None = None,
+        urgent_topics: Sequence[str] = (),
     ) -> None:
         """`replay`: per topic, how many records before the committed offset a newly assigned partition
         is read again with `ReceivedEvent.replay` set (0 or absent: none). `before_commit`: awaited before
         each commit (a handler that only enqueued what it produces waits for delivery there); when it
-        raises, nothing is committed and the consumer goes back to its committed offsets."""
+        raises, nothing is committed and the consumer goes back to its committed offsets. `urgent_topics`
+        (among `topics`): their fetched records are handled before any other, in every round."""
         self._settings = settings
         self._topics = list(topics)
+        self._urgent_topics = frozenset(urgent_topics) & set(self._topics)
         self._handler = handler
         self._dlq = dead_letters
         self._dlq_topic = Topics(settings.topic_prefix).deadletter
@@ -408,18 +414,29 @@ class EventConsumer:
         brokers, so services answer health checks first and join here.
         """
         await self.start()
+        max_batch = self._settings.consumer_max_batch
         while not stop.is_set():
-            batches = await self._consumer.getmany(timeout_ms=200, max_records=self._settings.consumer_max_batch)
-            async with self._handling:
-                owned = self._consumer.assignment()
-                for tp, records in batches.items():
-                    if tp in owned:  # fetched before a revocation: the new owner reads these again
-                        await self._handle_partition(tp, records)
-                if time.monotonic() - self._last_commit >= self._commit_interval_s:
-                    await self._flush_commits()
+            # getmany returns buffered records without yielding: let the fetcher (and the rest of the service)
+            # run between rounds, or urgent records would wait until the buffers ran dry.
+            await asyncio.sleep(0)
+            urgent = [tp for tp in self._consumer.assignment() if tp.topic in self._urgent_topics]
+            if urgent:
+                # Fetched already and waiting behind a backlog of calm samples: handled first, without waiting.
+                await self._handle_batches(await self._consumer.getmany(*urgent, timeout_ms=0, max_records=max_batch))
+            await self._handle_batches(await self._consumer.getmany(timeout_ms=200, max_records=max_batch))
             await self._export_lag()
         async with self._handling:
             await self._flush_commits()
+
+    async def _handle_batches(self, batches: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]) -> None:
+        async with self._handling:
+            owned = self._consumer.assignment()
+            ordered = sorted(batches.items(), key=lambda item: item[0].topic not in self._urgent_topics)
+            for tp, records in ordered:
+                if tp in owned:  # fetched before a revocation: the new owner reads these again
+                    await self._handle_partition(tp, records)
+            if time.monotonic() - self._last_commit >= self._commit_interval_s:
+                await self._flush_commits()
 
     async def _revoked(self, revoked: set[TopicPartition]) -> None:
         """Finish the batch in hand (or give up on it after REVOKE_WAIT_S), commit what was handled."""

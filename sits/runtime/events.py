@@ -48,8 +48,23 @@ class Topics:
         return f"{self.prefix}sits.metrics.v1"
 
     @property
+    def metrics_urgent(self) -> str:
+        """Samples under memory pressure: a lane of their own, so a backlog of calm samples never delays them."""
+        return f"{self.prefix}sits.metrics.urgent.v1"
+
+    @property
     def oom(self) -> str:
         return f"{self.prefix}sits.oom.v1"
+
+    @property
+    def samples(self) -> list[str]:
+        """Where metric samples travel: the calm lane, then the urgent one."""
+        return [self.metrics, self.metrics_urgent]
+
+    @property
+    def urgent(self) -> list[str]:
+        """What a consumer handles before anything else it has fetched."""
+        return [self.metrics_urgent, self.oom]
 
     @property
     def commands(self) -> str:
@@ -68,7 +83,15 @@ class Topics:
         return f"{self.prefix}sits.deadletter.v1"
 
     def all(self) -> list[str]:
-        return [self.metrics, self.oom, self.commands, self.results, self.validation, self.deadletter]
+        return [
+            self.metrics,
+            self.metrics_urgent,
+            self.oom,
+            self.commands,
+            self.results,
+            self.validation,
+            self.deadletter,
+        ]
 
 
 class EnvelopeError(ValueError):

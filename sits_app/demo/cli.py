@@ -178,7 +178,7 @@ class Demo:
             topics = Topics(sits.stack.settings.topic_prefix)
             tap = TopicTap(
                 sits.stack.broker.bootstrap,
-                [topics.metrics, topics.commands, topics.results, topics.validation],
+                [*topics.samples, topics.commands, topics.results, topics.validation],
                 self.timeline.on_event,
             )
             await stack.enter_async_context(tap)

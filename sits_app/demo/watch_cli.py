@@ -68,7 +68,7 @@ async def _watch(manifest: dict[str, object], duration: float | None) -> int:
     timeline = Timeline()
     tap = TopicTap(
         str(manifest["kafka_bootstrap"]),
-        [topics.metrics, topics.commands, topics.results, topics.validation],
+        [*topics.samples, topics.commands, topics.results, topics.validation],
         timeline.on_event,
     )
     async with tap:

@@ -5,16 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import signal
 import tempfile
 import time
 from pathlib import Path
 
 from services.capture.publisher import CapturePublisher, TopicEnsuringProducer
+from services.capture.settings import CaptureSettings
 from services.capture.spool import Spool
 from sits.runtime.events import Topics
-from sits.runtime.settings import Settings, load_settings
+from sits.runtime.settings import load_settings
 from sits_app.fleet.sim import Fleet, load_frames, trace_paths
 
 
@@ -56,7 +56,7 @@ async def _run(args: argparse.Namespace) -> int:
 
         stack = json.loads((args.stack / "stack.json").read_text())
         overrides = {"kafka_bootstrap": stack["kafka_bootstrap"], "topic_prefix": stack["topic_prefix"]}
-    settings = load_settings(Settings, **overrides)
+    settings = load_settings(CaptureSettings, **overrides)
     frames = [load_frames(p, args.hz) for p in (args.traces or trace_paths())]
     fleet = Fleet(frames, args.targets, hz=args.hz, incident_fraction=args.incidents)
     print(
@@ -69,12 +69,14 @@ async def _run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     with tempfile.TemporaryDirectory(prefix="sits-fleet-spool-") as spool_dir:
-        linger_ms = args.linger_ms if args.linger_ms is not None else float(os.environ.get("SITS_CAPTURE_LINGER_MS", 0))
+        linger_ms = args.linger_ms if args.linger_ms is not None else settings.capture_linger_ms
         publisher = CapturePublisher(
             lambda: TopicEnsuringProducer(settings),
             Spool(spool_dir, fsync="never"),
             Topics(settings.topic_prefix),
+            trace_samples_above=settings.capture_trace_samples_above,
             linger_s=linger_ms / 1000,
+            urgent_lane=settings.capture_urgent_lane,
         )
         pub = asyncio.create_task(publisher.run(stop))
         sim = asyncio.create_task(fleet.run(publisher, stop))

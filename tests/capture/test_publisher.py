@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -112,19 +113,76 @@ async def test_queued_samples_of_a_target_share_records_in_order(
     assert sequences_of(records) == list(range(1200))
 
 
-async def test_a_batch_is_traced_when_one_of_its_samples_is_under_pressure(
-    running: CapturePublisher, settings: Settings, topics: Topics
-) -> None:
-    setup_tracing("sits-tests")  # a recording provider: otherwise no span context reaches the headers
+def pressure_mix(publisher: CapturePublisher) -> None:
+    """Three samples of a calm GPU, three of a GPU whose second sample is above the 80% threshold."""
     for i in range(3):
         calm = sample(i, gpu="GPU-calm")
         calm.gpu.total_bytes = 100
         pressed = sample(10 + i, gpu="GPU-pressed")
         pressed.gpu.total_bytes = 100
-        pressed.gpu.used_bytes = 95 if i == 1 else 50  # one sample of three above the 80% threshold
-        running.submit(calm)
-        running.submit(pressed)
+        pressed.gpu.used_bytes = 95 if i == 1 else 50
+        publisher.submit(calm)
+        publisher.submit(pressed)
+
+
+async def test_samples_under_pressure_take_the_urgent_lane_traced(
+    running: CapturePublisher, settings: Settings, topics: Topics
+) -> None:
+    setup_tracing("sits-tests")  # a recording provider: otherwise no span context reaches the headers
+    pressure_mix(running)
     await wait_for(lambda: running.stats.published == 6)
+    urgent = await read_all(settings, topics.metrics_urgent, 1)
+    assert [(key, [m.sequence for m in events]) for key, events in urgent] == [(b"h/GPU-pressed//", [11])]
+    calm = await read_all(settings, topics.metrics, 5)
+    assert sorted(sequences_of(calm)) == [0, 1, 2, 10, 12]
+
+
+async def test_urgent_events_go_before_the_calm_samples_queued_ahead_of_them(
+    settings: Settings, topics: Topics, tmp_path: Path
+) -> None:
+    order: list[str] = []
+
+    class Recording(TopicEnsuringProducer):
+        async def enqueue(self, topic: str, message: Message, *, traced: bool = True) -> asyncio.Future[Any]:
+            order.append(topic)
+            return await super().enqueue(topic, message, traced=traced)
+
+    publisher = CapturePublisher(lambda: Recording(settings), Spool(tmp_path / "spool"), topics)
+    # Queued before the publisher runs: 5,000 calm samples of 50 GPUs (a publisher behind), then an OOM and a
+    # sample under pressure.
+    for i in range(5000):
+        publisher.submit(sample(i, gpu=f"GPU-{i % 50}"))
+    pressed = sample(5000, gpu="GPU-hot")
+    pressed.gpu.total_bytes, pressed.gpu.used_bytes = 100, 95
+    publisher.submit(oom(1))
+    publisher.submit(pressed)
+    stop = asyncio.Event()
+    task = asyncio.create_task(publisher.run(stop))
+    try:
+        await wait_for(lambda: publisher.stats.published == 5002)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+    assert sorted(order[:2]) == sorted([topics.oom, topics.metrics_urgent]), order[:3]
+    assert set(order[2:]) == {topics.metrics}
+
+
+async def test_a_batch_is_traced_when_one_of_its_samples_is_under_pressure(
+    settings: Settings, topics: Topics, tmp_path: Path
+) -> None:
+    # Every sample on one topic (SITS_CAPTURE_URGENT_LANE=false): the pressed sample shares its target's record.
+    setup_tracing("sits-tests")
+    running = CapturePublisher(
+        lambda: TopicEnsuringProducer(settings), Spool(tmp_path / "spool"), topics, urgent_lane=False
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(running.run(stop))
+    try:
+        pressure_mix(running)
+        await wait_for(lambda: running.stats.published == 6)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
     consumer = AIOKafkaConsumer(**kafka_options_for(settings.kafka_bootstrap), enable_auto_commit=False)
     await consumer.start()
     try:
@@ -162,9 +220,10 @@ async def test_calm_samples_linger_to_share_records_and_pressure_ends_the_wait(
         pressed.gpu.total_bytes, pressed.gpu.used_bytes = 100, 95
         publisher.submit(pressed)
         await wait_for(lambda: publisher.stats.published == 7)
-        records = await read_all(settings, topics.metrics, 7)
-        assert sorted(len(events) for _k, events in records) == [3, 4]  # one record per target
-        assert sorted(sequences_of(records)) == list(range(7))
+        records = await read_all(settings, topics.metrics, 6)
+        assert sorted(len(events) for _k, events in records) == [3, 3]  # one record per target
+        assert sorted(sequences_of(records)) == list(range(6))
+        assert sequences_of(await read_all(settings, topics.metrics_urgent, 1)) == [6]
         # An OOM ends the wait too, and takes the calm samples queued before it along.
         publisher.submit(sample(7))
         await asyncio.sleep(0.5)

@@ -83,8 +83,9 @@ def test_sits_fleet_publishes_through_capture_into_the_broker(broker: TansuBroke
     import asyncio
 
     topics = Topics(topic_prefix)
-    records = asyncio.run(read_topics(Settings(kafka_bootstrap=broker.bootstrap).kafka_bootstrap, [topics.metrics]))
-    samples = [m for r in records[topics.metrics] for m in r.events() if isinstance(m, events_pb2.MetricSample)]
+    records = asyncio.run(read_topics(Settings(kafka_bootstrap=broker.bootstrap).kafka_bootstrap, topics.samples))
+    lanes = [r for t in topics.samples for r in records[t]]
+    samples = [m for r in lanes for m in r.events() if isinstance(m, events_pb2.MetricSample)]
     targets = {format_target_key(s.meta.target) for s in samples}
     assert len(targets) == 40
     # About 5 Hz for 4 s per target (a loaded machine may skip ticks, never add them).

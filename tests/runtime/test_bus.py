@@ -236,6 +236,66 @@ async def test_lagging_consumer_coalesces_samples_per_target(settings: Settings,
     assert consumer.stats.handled < 100
 
 
+async def urgent_record_wait(settings: Settings, topics: Topics, urgent_topics: list[str]) -> tuple[int, int]:
+    """Calm samples handled between the moment a sample under pressure is published (the consumer holding a
+    backlog of calm ones) and the moment it is handled; and how many calm samples there were."""
+    backlog = 12_000
+    settings = settings.model_copy(update={"consumer_max_batch": 200})
+    async with EventProducer(settings) as producer:
+        # One target per sample: none coalesce, so every calm record costs a handler call.
+        futures = [
+            await producer.enqueue(topics.metrics, sample(i, engine=f"e{i}"), traced=False) for i in range(backlog)
+        ]
+        await asyncio.gather(*futures)
+        calm = 0
+        published_at: list[int] = []
+        handled_at: list[int] = []
+        done = asyncio.Event()
+
+        async def handle(event: ReceivedEvent) -> None:
+            nonlocal calm
+            if event.topic == topics.metrics_urgent:
+                handled_at.append(calm)
+                done.set()
+                return
+            calm += 1
+            time.sleep(0.0002)  # the CPU a decision spends on a sample, blocking the loop as that work does
+            if calm == 500:
+                published_at.append(calm)
+                await producer.enqueue(topics.metrics_urgent, sample(1, engine="hot", used=79 << 30), traced=False)
+
+        consumer = EventConsumer(
+            settings,
+            group_id=f"{topics.prefix}g{len(urgent_topics)}",
+            topics=topics.samples,
+            handler=handle,
+            dead_letters=producer,
+            urgent_topics=urgent_topics,
+        )
+        async with consumer:
+            await consume_until(consumer, done, timeout_s=60)
+    return handled_at[0] - published_at[0], backlog
+
+
+async def test_an_urgent_record_is_handled_before_the_backlog_already_fetched(
+    settings: Settings, topics: Topics
+) -> None:
+    await ensure_topics(settings)
+    waited, backlog = await urgent_record_wait(settings, topics, topics.urgent)
+    # The consumer holds most of the backlog in its fetch buffers when the sample arrives; without the urgent
+    # lane it is handled after all of them (checked below). With it, after what the consumer handles while
+    # aiokafka holds back the next fetch (its prefetch backoff, 100 ms) and the broker answers.
+    assert waited < backlog // 4, (waited, backlog)
+
+
+async def test_without_urgent_topics_a_record_waits_behind_the_fetched_backlog(
+    settings: Settings, topics: Topics
+) -> None:
+    await ensure_topics(settings)
+    waited, backlog = await urgent_record_wait(settings, topics, [])
+    assert waited >= backlog // 4, (waited, backlog)
+
+
 async def test_consumer_killed_mid_batch_handles_every_record_once(
     settings: Settings, topics: Topics, redis_client, tmp_path: Path
 ) -> None:
