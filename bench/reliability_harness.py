@@ -18,7 +18,7 @@ import signal
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,9 +98,9 @@ class ReliabilityStack:
     def group_topics(self, service: str) -> list[str]:
         t = self.topics
         return {
-            "decision": [t.metrics, t.oom],
+            "decision": [*t.samples, t.oom],
             "executor": [t.commands],
-            "validator": [t.results, t.metrics, t.oom],
+            "validator": [t.results, *t.samples, t.oom],
         }[service]
 
     def target(self, index: int) -> common_pb2.Target:
@@ -302,8 +302,8 @@ async def _partitions(consumer: AIOKafkaConsumer, topics: list[str]) -> list[Top
     return found
 
 
-async def group_backlog(bootstrap: str, group: str, topics: Iterable[str]) -> dict[TopicPartition, int]:
-    """Records not yet committed by `group`, per partition (end offset minus committed offset)."""
+async def group_offsets(bootstrap: str, group: str, topics: Iterable[str]) -> dict[TopicPartition, tuple[int, int]]:
+    """Per partition: its end offset, and the offset `group` committed (0: none)."""
     consumer = AIOKafkaConsumer(**kafka_options_for(bootstrap), enable_auto_commit=False)
     admin = AIOKafkaAdminClient(**kafka_options_for(bootstrap))
     await consumer.start()
@@ -312,15 +312,51 @@ async def group_backlog(bootstrap: str, group: str, topics: Iterable[str]) -> di
         partitions = await _partitions(consumer, list(topics))
         ends = await consumer.end_offsets(partitions) if partitions else {}
         committed = await admin.list_consumer_group_offsets(group, partitions=partitions)
-        backlog = {}
+        offsets = {}
         for tp in partitions:
             meta = committed.get(tp)
-            done = meta.offset if meta is not None and meta.offset >= 0 else 0
-            backlog[tp] = max(0, ends[tp] - done)
-        return backlog
+            offsets[tp] = (ends[tp], meta.offset if meta is not None and meta.offset >= 0 else 0)
+        return offsets
     finally:
         await admin.close()
         await consumer.stop()
+
+
+async def group_backlog(bootstrap: str, group: str, topics: Iterable[str]) -> dict[TopicPartition, int]:
+    """Records not yet committed by `group`, per partition (end offset minus committed offset)."""
+    return {tp: max(0, end - done) for tp, (end, done) in (await group_offsets(bootstrap, group, topics)).items()}
+
+
+async def backlog_partitions(
+    bootstrap: str, group: str, topics: Iterable[str], records: Mapping[str, list[Record]]
+) -> list[dict[str, object]]:
+    """The partitions `group` has not committed to their end: offsets, and the records read at or past the commit."""
+    out: list[dict[str, object]] = []
+    for tp, (end, done) in (await group_offsets(bootstrap, group, topics)).items():
+        if end > done:
+            offsets = [r.offset for r in records.get(tp.topic, []) if r.partition == tp.partition]
+            out.append(
+                {
+                    "topic": tp.topic,
+                    "partition": tp.partition,
+                    "end": end,
+                    "committed": done,
+                    "last_offset_read": max(offsets, default=-1),
+                    "offsets_read_from_commit": sorted(o for o in offsets if o >= done)[:10],
+                }
+            )
+    return out
+
+
+async def partitions_behind(
+    rs: ReliabilityStack, backlog: Mapping[str, int], records: Mapping[str, list[Record]]
+) -> dict[str, list[dict[str, object]]]:
+    """Per service whose group was left behind (`backlog`): where (`backlog_partitions`)."""
+    return {
+        s: await backlog_partitions(rs.settings.kafka_bootstrap, rs.group(s), rs.group_topics(s), records)
+        for s, n in backlog.items()
+        if n
+    }
 
 
 async def wait_groups_caught_up(

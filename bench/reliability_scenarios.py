@@ -82,6 +82,9 @@ async def crash_scenario(run_dir: Path, redis_url: str, topic_prefix: str, plan:
             await asyncio.sleep(plan.kill_every_s)
         sent_by_test = await sender
         burst_s = time.monotonic() - started
+        # Capture replays its trace in a loop: stopped (gracefully: what it queued goes out first), so that a
+        # backlog measured after the settle is one the groups left, not a sample published a moment before.
+        await rs.process("capture").astop()
         settle_started = time.monotonic()
         caught = await h.wait_groups_caught_up(rs, ("decision", "executor", "validator"), plan.settle_timeout_s)
         records, account = await _settled_actions(rs, timeout_s=30.0)
@@ -90,7 +93,7 @@ async def crash_scenario(run_dir: Path, redis_url: str, topic_prefix: str, plan:
             s: sum((await h.group_backlog(stack.settings.kafka_bootstrap, rs.group(s), rs.group_topics(s))).values())
             for s in ("decision", "executor", "validator")
         }
-        inputs = [topics.metrics, topics.oom]
+        inputs = [*topics.samples, topics.oom]
         sent = sum(len(records[t]) for t in inputs)
         dead = h.dead_letters_of(records[topics.deadletter], rs.group("decision"), inputs)
         oom_without_command = [e for e in sent_ooms if len(account.causes.get(e, ())) != 1]
@@ -115,6 +118,8 @@ async def crash_scenario(run_dir: Path, redis_url: str, topic_prefix: str, plan:
             "redis_applied": len(account.redis_effects),
             "redis_agrees": set(account.redis_effects) == account.applied_in_topic,
             "backlog_after": backlog,
+            # Where a group stopped short of the end, if it did: what a failure needs to be understood.
+            "backlog_partitions": await h.partitions_behind(rs, backlog, records),
             "restart_s": restarts,
             "burst_s": round(burst_s, 1),
             "catch_up_s": {k: (round(v, 1) if v is not None else None) for k, v in caught.items()},
@@ -623,6 +628,7 @@ async def replicas_scenario(
         added = [s.name for s in await asyncio.gather(*(stack.add_replica(s) for s in REPLICATED_SERVICES))]
         sent_by_test = await sender
         burst_s = time.monotonic() - started
+        await rs.process("capture").astop()  # its looping replay would leave a record in flight (see crash)
         settle_started = time.monotonic()
         caught = await h.wait_groups_caught_up(rs, REPLICATED_SERVICES, plan.settle_timeout_s)
         records, account = await _settled_actions(rs, timeout_s=30.0)
@@ -633,7 +639,7 @@ async def replicas_scenario(
             s: sum((await h.group_backlog(stack.settings.kafka_bootstrap, rs.group(s), rs.group_topics(s))).values())
             for s in REPLICATED_SERVICES
         }
-        inputs = [topics.metrics, topics.oom]
+        inputs = [*topics.samples, topics.oom]
         sent = sum(len(records[t]) for t in inputs)
         dead = h.dead_letters_of(records[topics.deadletter], rs.group("decision"), inputs)
         oom_without_command = [e for e in sent_ooms if len(account.causes.get(e, ())) != 1]
@@ -666,6 +672,7 @@ async def replicas_scenario(
             "actions_with_several_verdicts": verdicts.repeated,
             "redis_agrees": set(account.redis_effects) == account.applied_in_topic,
             "backlog_after": backlog,
+            "backlog_partitions": await h.partitions_behind(rs, backlog, records),
             "burst_s": round(burst_s, 1),
             "catch_up_s": {k: (round(v, 1) if v is not None else None) for k, v in caught.items()},
             "settle_s": round(settle_s, 1),
