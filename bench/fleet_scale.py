@@ -9,14 +9,17 @@ replays the recorded H200 traces, shifted and mixed, at 10 Hz per target through
 Per run (a fresh stack for each targets x replicas):
 - samples_per_s: samples published during the measured window that the decision group committed by the end of
   the run, per second of window (what the pipeline carried; the lag says whether it kept up).
-- decision_lag_p99_ms: a sample's record handed to the producer → the decision group's committed offset
+- decision_lag_p99_ms: a calm sample's record handed to the producer → the decision group's committed offset
   past it (committed offsets polled every 50 ms; a record not committed when the run ends counts as
-  lagging until then).
+  lagging until then). urgent_lag_p99_ms: the same for samples under pressure, which travel on their own
+  topic (sits.metrics.urgent.v1) that the decision handles first.
 - decision_cpu_cores / cpu_us_per_sample: CPU seconds of all decision processes over the window (from
   /proc), per second and per sample committed.
 - reaction_p99_ms: probe targets (served by the executor) jump from 50% to 99.9% of memory once each during
   the window; the sample's production time → the executor's APPLIED result (`applied_at`) for the
   command it caused: heads to OOM → action live, through the loaded partitions.
+- The baseline: the largest fleet again with every sample on one topic (`--one-lane-targets`), as before the
+  urgent lane.
 Writes bench/results/fleet_scale.json; per-run figures under `runs`.
 """
 
@@ -83,6 +86,7 @@ def cpu_seconds(pid: int) -> float:
 
 @dataclass
 class Sent:
+    topic: str
     partition: int
     offset: int
     at: float
@@ -91,10 +95,10 @@ class Sent:
 
 @dataclass
 class Recorder:
-    """Capture's producer, recording where each metrics record landed and when it was handed over."""
+    """Capture's producer, recording where each record of samples (either lane) landed and when it was handed over."""
 
     settings: Any
-    metrics_topic: str
+    sample_topics: list[str]
     sent: list[Sent] = field(default_factory=list)
 
     def factory(self) -> Any:
@@ -104,13 +108,13 @@ class Recorder:
             async def enqueue(self, topic: str, message: Message, *, traced: bool = True) -> asyncio.Future[Any]:
                 at = time.time()
                 future = await super().enqueue(topic, message, traced=traced)
-                if topic == recorder.metrics_topic:
+                if topic in recorder.sample_topics:
                     n = len(message.samples) if isinstance(message, events_pb2.MetricBatch) else 1
 
                     def done(f: asyncio.Future[Any]) -> None:
                         if not f.cancelled() and f.exception() is None:
                             meta = f.result()
-                            recorder.sent.append(Sent(meta.partition, meta.offset, at, n))
+                            recorder.sent.append(Sent(topic, meta.partition, meta.offset, at, n))
 
                     future.add_done_callback(done)
                 return future
@@ -118,18 +122,22 @@ class Recorder:
         return Recording(self.settings)
 
 
+Committed = dict[tuple[str, int], int]
+
+
 async def poll_commits(
-    bootstrap: str, group: str, topic: str, stop: asyncio.Event
-) -> list[tuple[float, dict[int, int]]]:
+    bootstrap: str, group: str, topics: list[str], stop: asyncio.Event
+) -> list[tuple[float, Committed]]:
     admin = AIOKafkaAdminClient(**kafka_options_for(bootstrap))
     await admin.start()
-    parts = [TopicPartition(topic, p) for p in range(PARTITIONS)]
-    out: list[tuple[float, dict[int, int]]] = []
+    parts = [TopicPartition(topic, p) for topic in topics for p in range(PARTITIONS)]
+    out: list[tuple[float, Committed]] = []
     try:
         while not stop.is_set():
             with contextlib.suppress(Exception):
                 offsets = await admin.list_consumer_group_offsets(group, partitions=parts)
-                out.append((time.time(), {tp.partition: (m.offset if m else -1) for tp, m in offsets.items()}))
+                committed = {(tp.topic, tp.partition): (m.offset if m else -1) for tp, m in offsets.items()}
+                out.append((time.time(), committed))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.05)
     finally:
@@ -137,11 +145,12 @@ async def poll_commits(
     return out
 
 
-def committed_at(sent: Sent, polls: list[tuple[float, dict[int, int]]]) -> float | None:
+def committed_at(sent: Sent, polls: list[tuple[float, Committed]]) -> float | None:
     lo, hi = 0, len(polls)
+    key = (sent.topic, sent.partition)
     while lo < hi:  # first poll whose committed offset is past the record (offsets only grow)
         mid = (lo + hi) // 2
-        if polls[mid][1].get(sent.partition, -1) > sent.offset:
+        if polls[mid][1].get(key, -1) > sent.offset:
             hi = mid
         else:
             lo = mid + 1
@@ -163,6 +172,7 @@ async def one_run(
     warm_s: float,
     work: Path,
     linger_ms: float,
+    urgent_lane: bool = True,
     max_batch: int = 5000,
 ) -> dict[str, Any]:
     prefix = f"f{uuid.uuid4().hex[:10]}."
@@ -171,7 +181,7 @@ async def one_run(
         common_pb2.Target(host="probe-host", gpu_uuid=f"GPU-probe-{i}", engine=f"{prefix}probe-{i}")
         for i in range(int(measure_s * 2))
     ]
-    run_dir = work / f"t{targets}-r{replicas}"
+    run_dir = work / f"t{targets}-r{replicas}{'' if urgent_lane else '-one-lane'}"
     run_dir.mkdir(parents=True)
     (run_dir / "policy.yaml").write_text(fleet_policy())
     env = {
@@ -197,9 +207,13 @@ async def one_run(
     )
     fleet = Fleet(frames, targets, hz=HZ)
     async with EmbeddedStack(config) as stack:
-        recorder = Recorder(stack.settings, topics.metrics)
+        recorder = Recorder(stack.settings, topics.samples)
         publisher = CapturePublisher(
-            recorder.factory, Spool(run_dir / "spool", fsync="never"), topics, linger_s=linger_ms / 1000
+            recorder.factory,
+            Spool(run_dir / "spool", fsync="never"),
+            topics,
+            linger_s=linger_ms / 1000,
+            urgent_lane=urgent_lane,
         )
         stop = asyncio.Event()
         pub = asyncio.create_task(publisher.run(stop))
@@ -210,7 +224,7 @@ async def one_run(
             await asyncio.sleep(warm_s / 20)
         poll_stop = asyncio.Event()
         poller = asyncio.create_task(
-            poll_commits(stack.settings.kafka_bootstrap, f"{prefix}sits-decision", topics.metrics, poll_stop)
+            poll_commits(stack.settings.kafka_bootstrap, f"{prefix}sits-decision", topics.samples, poll_stop)
         )
         pids = [stack.services[n].process.pid for n in stack.replicas_of("decision")]
         cpu0 = sum(cpu_seconds(p) for p in pids)
@@ -231,15 +245,16 @@ async def one_run(
         poll_stop.set()
         polls = await poller
         records = await h.read_topics(stack.settings.kafka_bootstrap, [topics.results, topics.commands])
-    lags: list[float] = []
+    lags: dict[str, list[float]] = {t: [] for t in topics.samples}
     committed_in_window = 0
     end = polls[-1][0] if polls else window_end
     for s in recorder.sent:
         done = committed_at(s, polls)
         if window_start <= s.at < window_end:
-            lags.extend([(done if done is not None else end) - s.at] * s.samples)
+            lags[s.topic].extend([(done if done is not None else end) - s.at] * s.samples)
         if done is not None and window_start <= s.at < window_end:
             committed_in_window += s.samples
+    calm_lags, urgent_lags = lags[topics.metrics], lags[topics.metrics_urgent]
     reactions = []
     for r in records[topics.results]:
         m = r.message()
@@ -253,15 +268,23 @@ async def one_run(
     figures = {
         "targets": targets,
         "replicas": replicas,
+        "urgent_lane": urgent_lane,
         "offered_samples_per_s": targets * HZ,
         "simulated_samples_per_s": round(fleet.stats.rate(time.monotonic()), 1),
         "samples_per_s": round(committed_in_window / window, 1),
-        "decision_lag_p50_ms": round(quantile(lags, 0.5) * 1000, 1),
-        "decision_lag_p99_ms": round(quantile(lags, 0.99) * 1000, 1),
+        "decision_lag_p50_ms": round(quantile(calm_lags, 0.5) * 1000, 1),
+        "decision_lag_p99_ms": round(quantile(calm_lags, 0.99) * 1000, 1),
+        # Samples under pressure on their own lane (none without it).
+        "urgent_samples": len(urgent_lags),
+        "urgent_lag_p50_ms": round(quantile(urgent_lags, 0.5) * 1000, 1) if urgent_lags else None,
+        "urgent_lag_p99_ms": round(quantile(urgent_lags, 0.99) * 1000, 1) if urgent_lags else None,
         "decision_cpu_cores": round(decision_cpu / window, 3),
         "cpu_us_per_sample": round(decision_cpu / max(1, committed_in_window) * 1e6, 2),
         "cpu_core_pct_per_1000_targets": round(decision_cpu / window * 100 / (targets / 1000), 2),
         "simulator_cpu_cores": round(sim_cpu / window, 3),
+        # Events the simulator's one publisher (a real capture serves 8 GPUs) could not hand to Kafka as fast as
+        # the fleet made them: they went through its disk spool, in order, behind the rest.
+        "publisher_spooled": publisher.stats.spooled,
         "probes": len(probes),
         "probes_applied": len(reactions),
         # None: no probe's action went live before the run ended.
@@ -282,14 +305,20 @@ async def one_run(
 
 
 async def run_all(
-    targets: list[int], replicas: list[int], measure_s: float, warm_s: float, linger_ms: float
+    targets: list[int],
+    replicas: list[int],
+    measure_s: float,
+    warm_s: float,
+    linger_ms: float,
+    one_lane_targets: list[int],
 ) -> list[dict[str, Any]]:
     frames = [load_frames(p, HZ) for p in trace_paths()]
+    plan = [(n, r, True) for n in targets for r in replicas]
+    plan += [(n, r, False) for n in one_lane_targets for r in replicas]
     out = []
     with tempfile.TemporaryDirectory(prefix="sits-fleet-") as tmp:
-        for n in targets:
-            for r in replicas:
-                out.append(await one_run(frames, n, r, measure_s, warm_s, Path(tmp), linger_ms))
+        for n, r, lane in plan:
+            out.append(await one_run(frames, n, r, measure_s, warm_s, Path(tmp), linger_ms, urgent_lane=lane))
     return out
 
 
@@ -305,15 +334,31 @@ def main() -> int:
         default=0.0,
         help="capture's linger (SITS_CAPTURE_LINGER_MS) for the simulated fleet (default 0: none)",
     )
+    parser.add_argument(
+        "--one-lane-targets",
+        type=int,
+        nargs="*",
+        default=None,
+        help="also run these fleet sizes with every sample on one topic (SITS_CAPTURE_URGENT_LANE=false), "
+        "the baseline of the urgent lane (default: the largest of --targets; none: no baseline)",
+    )
     args = parser.parse_args()
-    runs = asyncio.run(run_all(args.targets, args.replicas, args.measure_s, args.warm_s, args.linger_ms))
+    top = max(args.targets)
+    one_lane = [top] if args.one_lane_targets is None else args.one_lane_targets
+    runs = asyncio.run(run_all(args.targets, args.replicas, args.measure_s, args.warm_s, args.linger_ms, one_lane))
 
     def at(n: int, r: int) -> dict[str, Any] | None:
-        return next((x for x in runs if x["targets"] == n and x["replicas"] == r), None)
+        return next((x for x in runs if x["targets"] == n and x["replicas"] == r and x["urgent_lane"]), None)
 
-    top = max(args.targets)
+    def worst_reaction(of: list[dict[str, Any]]) -> float | None:
+        # None when some run had no probe's action live before it ended.
+        if not of or any(x["reaction_p99_ms"] is None for x in of):
+            return None
+        return float(max(x["reaction_p99_ms"] for x in of))
+
     one, four = at(top, min(args.replicas)), at(top, max(args.replicas))
-    biggest = [x for x in runs if x["targets"] == top]
+    biggest = [x for x in runs if x["targets"] == top and x["urgent_lane"]]
+    biggest_one_lane = [x for x in runs if x["targets"] == top and not x["urgent_lane"]]
     figures = {
         "targets_max": top,
         "replicas_max": max(args.replicas),
@@ -322,26 +367,31 @@ def main() -> int:
         if one and four
         else None,
         f"decision_lag_p99_ms_{top}_targets": max(x["decision_lag_p99_ms"] for x in biggest),
-        f"reaction_p99_ms_{top}_targets": None
-        if any(x["reaction_p99_ms"] is None for x in biggest)
-        else max(x["reaction_p99_ms"] for x in biggest),
+        f"urgent_lag_p99_ms_{top}_targets": max((x["urgent_lag_p99_ms"] or 0.0) for x in biggest),
+        f"reaction_p99_ms_{top}_targets": worst_reaction(biggest),
         "cpu_core_pct_per_1000_targets": one["cpu_core_pct_per_1000_targets"] if one else None,
     }
     path = write_result(
         "fleet_scale",
         command=f"{COMMAND} --targets {' '.join(map(str, args.targets))} "
-        f"--replicas {' '.join(map(str, args.replicas))} --measure-s {args.measure_s:g}",
+        f"--replicas {' '.join(map(str, args.replicas))} --measure-s {args.measure_s:g}"
+        + (f" --one-lane-targets {' '.join(map(str, one_lane))}" if args.one_lane_targets is not None else ""),
         figures=figures,
         baseline={
             "offered_samples_per_s_max": top * HZ,
             "partitions": PARTITIONS,
             "hz_per_target": HZ,
             "capture_linger_ms": args.linger_ms,
+            # The same fleet with every sample on one topic, as before the urgent lane.
+            f"reaction_p99_ms_{top}_targets_one_lane": worst_reaction(biggest_one_lane),
+            f"probes_applied_{top}_targets_one_lane": [x["probes_applied"] for x in biggest_one_lane],
         },
         goal={"cpu_per_sample_ratio_4_over_1": 1.3, f"reaction_p99_ms_{top}_targets": 150},
         notes="One run per targets x replicas, each on a fresh stack; the simulator, Tansu, every decision replica "
         "and the executor share this machine's cores with other work. Lag and reaction figures are the worst "
-        f"over the replica counts at {top} targets; CPU per 1,000 targets is the single replica's at {top}.",
+        f"over the replica counts at {top} targets; CPU per 1,000 targets is the single replica's at {top}. "
+        "Samples under pressure travel on their own topic (the urgent lane), which the decision handles first; "
+        "the baseline runs put every sample on one topic.",
         extra={"runs": runs},
     )
     print(f"wrote {path}")
