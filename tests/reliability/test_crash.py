@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from pprint import pformat
 
 import pytest
 
@@ -17,7 +17,7 @@ async def test_kill_each_service_during_a_burst_loses_nothing_and_applies_nothin
 ) -> None:
     plan = CrashPlan()
     figures = await crash_scenario(tmp_path, redis_url, topic_prefix, plan)
-    detail = json.dumps(figures)  # in full: pytest shortens a dict in the failure message
+    detail = pformat(figures, width=120)  # in full: pytest shortens a dict in the failure message
 
     assert figures["sent_by_test"] >= plan.samples + plan.ooms
     # Every record in the input topics was handled (alone or coalesced) or dead-lettered, and committed.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from pprint import pformat
 
 import pytest
 
@@ -15,8 +16,9 @@ async def test_ten_times_the_metric_rate_stays_bounded_and_lag_recovers(
     redis_url: str, topic_prefix: str, tmp_path: Path
 ) -> None:
     figures = await load_scenario(tmp_path, redis_url, topic_prefix, LoadPlan(duration_s=60.0))
+    detail = pformat(figures, width=120)  # in full: pytest shortens a dict in the failure message
 
     assert figures["sent"] > 0
-    assert figures["under_bound"], figures
-    assert all(v is not None for v in figures["lag_recovered_s"].values()), figures
-    assert figures["lost"] == 0, figures
+    assert figures["under_bound"], detail
+    assert all(v is not None for v in figures["lag_recovered_s"].values()), detail
+    assert figures["lost"] == 0, detail
