@@ -12,7 +12,7 @@ Per run (a fresh stack for each targets x replicas):
 - decision_lag_p99_ms: a calm sample's record handed to the producer → the decision group's committed offset
   past it (committed offsets polled every 50 ms; a record not committed when the run ends counts as
   lagging until then). urgent_lag_p99_ms: the same for samples under pressure, which travel on their own
-  topic (sits.metrics.urgent.v1) that the decision handles first.
+  topic (sits.metrics.urgent.v1) that the decision handles first (and commits with the batch in hand).
 - decision_cpu_cores / cpu_us_per_sample: CPU seconds of all decision processes over the window (from
   /proc), per second and per sample committed.
 - reaction_p99_ms: probe targets (served by the executor) jump from 50% to 99.9% of memory once each during
