@@ -17,9 +17,10 @@ import json
 import subprocess
 import sys
 import tempfile
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from bench.common import utc_stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "bench" / "results" / "capture_overhead.json"
@@ -73,11 +74,11 @@ def main() -> int:
         subprocess.run(
             [sys.executable, "-m", "scripts.gpu.capture_nvml_overhead", str(raw_path), "30"], cwd=ROOT, check=True
         )
-        measured_at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        measured_at = utc_stamp()
         command = "python -m bench.capture_overhead (on the H200)"
     else:
         raw_path = args.raw
-        measured_at = args.measured_at or datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        measured_at = args.measured_at or utc_stamp()
         command = (
             "python -m scripts.gpu.capture_nvml_overhead RAW 15 (on the H200); "
             "python -m bench.capture_overhead --from RAW"

@@ -20,11 +20,11 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
 
+from bench.common import utc_stamp
 from services.capture.publisher import (
     MAX_SAMPLES_PER_RECORD,
     CapturePublisher,
@@ -136,7 +136,7 @@ async def main_async(n: int, runs: int) -> dict[str, object]:
         broker.stop()
     return {
         "name": "capture_publish",
-        "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "measured_at": utc_stamp(),
         "machine": "2-core CPU machine, Tansu broker on loopback",
         "command": f"python -m bench.capture_publish --samples {n} --runs {runs}",
         "figures": {

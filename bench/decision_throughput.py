@@ -19,6 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
+from bench.common import utc_stamp
 from services.decision import convert
 from services.decision.domain.admission import EngineProfile
 from services.decision.domain.engine import DecisionEngine
@@ -145,7 +146,7 @@ def main() -> int:
 
     result = {
         "name": "decision_throughput",
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "measured_at": utc_stamp(),
         "machine": "2-core CPU machine",
         "command": "python -m bench.decision_throughput",
         "figures": {

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.common import utc_stamp
 from services.decision.convert import oom_from_pb, sample_from_pb
 from services.decision.domain.admission import EngineProfile
 from services.decision.domain.engine import DecisionEngine
@@ -396,7 +397,7 @@ def main() -> int:
     figures["seed_sweep"] = sweep
     result = {
         "name": "forecast_quality",
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "measured_at": utc_stamp(),
         "machine": "2-core CPU machine",
         "command": "python -m bench.forecast_quality",
         "figures": figures,
