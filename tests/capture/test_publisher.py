@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -65,16 +66,32 @@ def sequences_of(records: list[tuple[bytes, list[Message]]]) -> list[int]:
     return [m.sequence for _k, events in records for m in events if isinstance(m, events_pb2.MetricSample)]
 
 
+def pressed_sample(i: int, gpu: str) -> events_pb2.MetricSample:
+    """A sample at 95% of its GPU's memory: under pressure."""
+    s = sample(i, gpu=gpu)
+    s.gpu.total_bytes, s.gpu.used_bytes = 100, 95
+    return s
+
+
+@contextlib.asynccontextmanager
+async def publishing(publisher: CapturePublisher) -> AsyncIterator[CapturePublisher]:
+    """`publisher` running; stopped (and its queue flushed) on the way out."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(publisher.run(stop))
+    try:
+        yield publisher
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+
+
 @pytest.fixture
 async def running(settings: Settings, tmp_path: Path) -> AsyncIterator[CapturePublisher]:
     publisher = CapturePublisher(
         lambda: TopicEnsuringProducer(settings), Spool(tmp_path / "spool"), Topics(settings.topic_prefix)
     )
-    stop = asyncio.Event()
-    task = asyncio.create_task(publisher.run(stop))
-    yield publisher
-    stop.set()
-    await asyncio.wait_for(task, 15)
+    async with publishing(publisher):
+        yield publisher
 
 
 async def wait_for(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
@@ -152,17 +169,10 @@ async def test_urgent_events_go_before_the_calm_samples_queued_ahead_of_them(
     # sample under pressure.
     for i in range(5000):
         publisher.submit(sample(i, gpu=f"GPU-{i % 50}"))
-    pressed = sample(5000, gpu="GPU-hot")
-    pressed.gpu.total_bytes, pressed.gpu.used_bytes = 100, 95
     publisher.submit(oom(1))
-    publisher.submit(pressed)
-    stop = asyncio.Event()
-    task = asyncio.create_task(publisher.run(stop))
-    try:
+    publisher.submit(pressed_sample(5000, gpu="GPU-hot"))
+    async with publishing(publisher):
         await wait_for(lambda: publisher.stats.published == 5002)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 15)
     assert sorted(order[:2]) == sorted([topics.oom, topics.metrics_urgent]), order[:3]
     assert set(order[2:]) == {topics.metrics}
 
@@ -172,17 +182,12 @@ async def test_a_batch_is_traced_when_one_of_its_samples_is_under_pressure(
 ) -> None:
     # Every sample on one topic (SITS_CAPTURE_URGENT_LANE=false): the pressed sample shares its target's record.
     setup_tracing("sits-tests")
-    running = CapturePublisher(
+    one_lane = CapturePublisher(
         lambda: TopicEnsuringProducer(settings), Spool(tmp_path / "spool"), topics, urgent_lane=False
     )
-    stop = asyncio.Event()
-    task = asyncio.create_task(running.run(stop))
-    try:
-        pressure_mix(running)
-        await wait_for(lambda: running.stats.published == 6)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 15)
+    async with publishing(one_lane):
+        pressure_mix(one_lane)
+        await wait_for(lambda: one_lane.stats.published == 6)
     consumer = AIOKafkaConsumer(**kafka_options_for(settings.kafka_bootstrap), enable_auto_commit=False)
     await consumer.start()
     try:
@@ -208,17 +213,13 @@ async def test_calm_samples_linger_to_share_records_and_pressure_ends_the_wait(
     publisher = CapturePublisher(
         lambda: TopicEnsuringProducer(settings), Spool(tmp_path / "spool"), Topics(settings.topic_prefix), linger_s=600
     )
-    stop = asyncio.Event()
-    task = asyncio.create_task(publisher.run(stop))
-    try:
+    async with publishing(publisher):
         for i in range(6):
             publisher.submit(sample(i, gpu="GPU-a" if i % 2 else "GPU-b"))
             await asyncio.sleep(0.05)  # apart in time: without a linger each would be a record of its own
         await asyncio.sleep(1.0)
         assert publisher.stats.published == 0 and publisher.queued == 6
-        pressed = sample(6, gpu="GPU-a")
-        pressed.gpu.total_bytes, pressed.gpu.used_bytes = 100, 95
-        publisher.submit(pressed)
+        publisher.submit(pressed_sample(6, gpu="GPU-a"))
         await wait_for(lambda: publisher.stats.published == 7)
         records = await read_all(settings, topics.metrics, 6)
         assert sorted(len(events) for _k, events in records) == [3, 3]  # one record per target
@@ -230,9 +231,6 @@ async def test_calm_samples_linger_to_share_records_and_pressure_ends_the_wait(
         assert publisher.stats.published == 7
         publisher.submit(oom(1))
         await wait_for(lambda: publisher.stats.published == 9)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 15)
 
 
 async def test_outage_spools_and_drains_in_order(tmp_path: Path, topic_prefix: str) -> None:
@@ -245,30 +243,27 @@ async def test_outage_spools_and_drains_in_order(tmp_path: Path, topic_prefix: s
     publisher = CapturePublisher(
         lambda: TopicEnsuringProducer(settings), Spool(tmp_path / "spool"), topics, delivery_timeout_s=3.0
     )
-    stop = asyncio.Event()
-    task = asyncio.create_task(publisher.run(stop))
     try:
-        publisher.submit(sample(0))
-        await wait_for(lambda: publisher.stats.published == 1)
-        await asyncio.to_thread(broker.stop)
-        for i in range(1, 40):
-            publisher.submit(sample(i))
-        publisher.submit(oom(40))
-        await wait_for(lambda: publisher.spool.pending >= 40 and not publisher.online)
-        assert publisher.stats.spooled >= 40
-        await asyncio.to_thread(broker.start)  # same port; memory storage: the old record is gone
-        await wait_for(lambda: publisher.spool.pending == 0 and publisher.online, timeout_s=30)
-        publisher.submit(sample(41))
-        await wait_for(lambda: publisher.stats.published >= 2)
-        records = await read_all(settings, topics.metrics, 40)
-        sequences = sequences_of(records)
-        # In order, none lost; a batch caught by the outage may arrive twice (at least once).
-        assert sorted(set(sequences)) == [*range(1, 40), 41]
-        first_seen = list(dict.fromkeys(sequences))
-        assert first_seen == sorted(first_seen)
-        ooms = await read_all(settings, topics.oom, 1)
-        assert [m.meta.event_id for _k, events in ooms for m in events] == ["o40"]
+        async with publishing(publisher):
+            publisher.submit(sample(0))
+            await wait_for(lambda: publisher.stats.published == 1)
+            await asyncio.to_thread(broker.stop)
+            for i in range(1, 40):
+                publisher.submit(sample(i))
+            publisher.submit(oom(40))
+            await wait_for(lambda: publisher.spool.pending >= 40 and not publisher.online)
+            assert publisher.stats.spooled >= 40
+            await asyncio.to_thread(broker.start)  # same port; memory storage: the old record is gone
+            await wait_for(lambda: publisher.spool.pending == 0 and publisher.online, timeout_s=30)
+            publisher.submit(sample(41))
+            await wait_for(lambda: publisher.stats.published >= 2)
+            records = await read_all(settings, topics.metrics, 40)
+            sequences = sequences_of(records)
+            # In order, none lost; a batch caught by the outage may arrive twice (at least once).
+            assert sorted(set(sequences)) == [*range(1, 40), 41]
+            first_seen = list(dict.fromkeys(sequences))
+            assert first_seen == sorted(first_seen)
+            ooms = await read_all(settings, topics.oom, 1)
+            assert [m.meta.event_id for _k, events in ooms for m in events] == ["o40"]
     finally:
-        stop.set()
-        await asyncio.wait_for(task, 15)
         broker.stop()
