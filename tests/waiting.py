@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -34,3 +35,17 @@ async def polled_until(
         if time.monotonic() >= deadline:
             raise AssertionError(f"never matched within {timeout_s} s; last: {value}")
         await asyncio.sleep(interval_s)
+
+
+@contextlib.asynccontextmanager
+async def in_background(
+    run: Callable[[asyncio.Event], Awaitable[object]], stop_s: float
+) -> AsyncIterator[asyncio.Event]:
+    """`run(stop)` as a task for the block; on the way out `stop` is set and the task has `stop_s` to end."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(run(stop))
+    try:
+        yield stop
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, stop_s)

@@ -21,6 +21,7 @@ from sits.runtime.settings import Settings
 from sits.runtime.tracing import setup_tracing
 from sits.v1 import events_pb2
 from sits_app.stack.tansu import TansuBroker
+from tests.waiting import in_background
 
 
 def sample(i: int, gpu: str = "GPU-a") -> events_pb2.MetricSample:
@@ -76,13 +77,8 @@ def pressed_sample(i: int, gpu: str) -> events_pb2.MetricSample:
 @contextlib.asynccontextmanager
 async def publishing(publisher: CapturePublisher) -> AsyncIterator[CapturePublisher]:
     """`publisher` running; stopped (and its queue flushed) on the way out."""
-    stop = asyncio.Event()
-    task = asyncio.create_task(publisher.run(stop))
-    try:
+    async with in_background(publisher.run, 15):
         yield publisher
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 15)
 
 
 @pytest.fixture

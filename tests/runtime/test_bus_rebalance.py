@@ -19,7 +19,7 @@ from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.settings import Settings
 from sits.v1 import common_pb2
 from tests.runtime.test_bus import sample
-from tests.waiting import eventually
+from tests.waiting import eventually, in_background
 
 PARTITIONS = 2
 
@@ -56,13 +56,10 @@ async def end_offsets(settings: Settings, topic: str) -> dict[int, int]:
 
 @contextlib.asynccontextmanager
 async def member(consumer: EventConsumer) -> AsyncIterator[asyncio.Event]:
-    stop = asyncio.Event()
-    task = asyncio.create_task(consumer.run(stop))
     try:
-        yield stop
+        async with in_background(consumer.run, 30) as stop:
+            yield stop
     finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
         await consumer.stop()
 
 
