@@ -40,13 +40,13 @@ async def run_stream(
 
 
 async def start_streams(
-    address: str, count: int, prompt_len: int, max_tokens: int, prefix: str
+    address: str, count: int, prompt_len: int, max_tokens: int, prefix: str, timeout_s: float = 120.0
 ) -> tuple[grpc.aio.Channel, list[asyncio.Task[StreamOutcome]]]:
     channel = grpc.aio.insecure_channel(address)
     stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
     tasks = [
         asyncio.create_task(
-            run_stream(stub, f"{prefix}-{i}", [(7 * i + j) % 500 + 1 for j in range(prompt_len)], max_tokens)
+            run_stream(stub, f"{prefix}-{i}", [(7 * i + j) % 500 + 1 for j in range(prompt_len)], max_tokens, timeout_s)
         )
         for i in range(count)
     ]

@@ -6,7 +6,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -23,17 +22,19 @@ from tests.waiting import polled_until
 pytestmark = pytest.mark.vllm
 
 
+P2_STREAMS = 4
+P2_TOKENS = 2000
+
+
 @pytest.fixture(scope="module")
 async def own_engine(random_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmServer]:
-    """An engine of this module's own, as the session's is built (plugin, priority policy).
+    """An engine of this module's own, built as the session's is (plugin, priority policy), long enough for P2_TOKENS.
 
-    On the session's shared engine the preemption test failed only after the other executor
-    tests had run (its state polls never saw the P2 streams that ran); alone or after any one
-    of those modules it passed. Until that is understood, the test that counts preemptions
-    gets an engine nothing else has touched.
+    Its limits and tier counters start from nothing, so the preemption test reads them without
+    subtracting what other modules' streams left on the session's engine.
     """
     log_path = tmp_path_factory.mktemp("vllm-priority") / "vllm.log"
-    async with VllmServer(random_llama_dir, max_num_seqs=32, max_model_len=512, log_path=log_path) as server:
+    async with VllmServer(random_llama_dir, max_num_seqs=32, max_model_len=2048, log_path=log_path) as server:
         yield server
 
 
@@ -42,56 +43,48 @@ async def test_a_p0_request_preempts_the_newest_lowest_tier_request_when_the_run
 ) -> None:
     engine = own_engine
     assert engine.control_address
-    start = await engine_state(engine.control_address)
-    assert start["engine"]["policy"] == "priority", "the engine must run vLLM's priority policy"
-    async with EngineControlClient(engine.control_address, timeout_s=30) as control:
-        await control.set_limits({"max_num_running_reqs": 2})
-    # Thirty-two P2 streams behind a cap of two keep the engine full for sixteen rounds of 400 tokens.
-    # Ten were not enough on a loaded 2-core host (all finished before the P0 request reached the
-    # scheduler), and with twenty-four a CI run of 2026-12-06 13:35 saw every stream finish within
-    # the 60 s poll without one read matching 2 running and 8 waiting: "full" is now P2's own
-    # counts with 4 waiting, polled for up to 120 s, and a failure lists every read.
-    p2_streams = 32
-    channel, lows = await start_streams(engine.address, p2_streams, prompt_len=24, max_tokens=400, prefix="p2-full")
     address = engine.control_address
-    reads: list[tuple[int, float, float]] = []
-
-    async def read_state() -> dict[str, Any]:
-        state = await engine_state(address)
-        reads.append((state["step"], state["tiers"]["2"]["running"], state["tiers"]["2"]["waiting"]))
-        return state
-
-    try:
+    start = await engine_state(address)
+    assert start["engine"]["policy"] == "priority", "the engine must run vLLM's priority policy"
+    # The test never has to catch a passing state with a read: on a saturated 2-core host a
+    # GET_STATE answer took up to 14 s while the engine ran 175 steps/s, long enough for P2
+    # streams to come and go between two reads (CI failed that way twice). So the P2 streams
+    # queue behind a paused admission (a state that holds until we change it), and each runs
+    # 2,000 tokens: the running set stays full at the cap of two for two rounds of 2,000 steps
+    # after admission resumes, the window in which the P0 request must arrive.
+    async with EngineControlClient(address, timeout_s=30) as control:
+        await control.set_limits({"max_num_running_reqs": 2, "admission_paused": True})
+        channel, lows = await start_streams(
+            engine.address, P2_STREAMS, prompt_len=24, max_tokens=P2_TOKENS, prefix="p2-full", timeout_s=600
+        )
         try:
-            full = await polled_until(
-                read_state, lambda s: s["tiers"]["2"]["running"] == 2 and s["tiers"]["2"]["waiting"] >= 4, 120.0, 0.05
+            queued = await polled_until(
+                lambda: engine_state(address), lambda s: s["tiers"]["2"]["waiting"] == P2_STREAMS, 120.0, 0.05
             )
-        except AssertionError as err:
-            streams = [
-                repr(t.exception()) if t.exception() else (len(t.result().tokens), t.result().finish_reason)
-                for t in lows
-                if t.done()
-            ]
-            raise AssertionError(f"{err}; P2 streams: {streams}; reads (step, running, waiting): {reads}") from None
-        assert full["tiers"]["2"]["running"] == 2 and full["tiers"]["2"]["waiting"] >= 4
-        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-        began = time.monotonic()
-        p0 = await run_stream(stub, "p0-urgent", [7] * 24, max_tokens=4)
-        took = time.monotonic() - began
-        assert len(p0.tokens) == 4
-        after = await engine_state(engine.control_address)
-        # vLLM alone would keep it waiting until a P2 stream finished its 400 tokens.
-        assert after["p0_preemptions"] > start["p0_preemptions"], f"no preemption for P0; state after: {after}"
-        assert after["tiers"]["2"]["preemptions"] > full["tiers"]["2"]["preemptions"]
-        assert after["tiers"]["0"]["scheduled"] == start["tiers"]["0"]["scheduled"] + 1
-        assert took < 60
-        # The P2 streams were preempted, not dropped: each still gets all its tokens.
-        outcomes = await asyncio.wait_for(asyncio.gather(*lows), timeout=240)
-        assert [len(o.tokens) for o in outcomes] == [400] * p2_streams
-    finally:
-        for task in lows:
-            task.cancel()
-        await channel.close(grace=None)
+            assert queued["tiers"]["2"]["running"] == 0
+            await control.set_limits({"admission_paused": False})
+            resumed = time.monotonic()
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            p0 = await run_stream(stub, "p0-urgent", [7] * 24, max_tokens=4)
+            took = time.monotonic() - resumed
+            assert len(p0.tokens) == 4
+            after = await engine_state(address)
+            # vLLM alone would keep it waiting until a P2 stream finished its tokens.
+            finished = sum(t.done() for t in lows)
+            assert after["p0_preemptions"] > start["p0_preemptions"], (
+                f"no preemption for P0 ({took:.1f} s after admission resumed, {finished} P2 streams done); "
+                f"state after: {after}"
+            )
+            assert after["tiers"]["2"]["preemptions"] > start["tiers"]["2"]["preemptions"]
+            assert after["tiers"]["0"]["scheduled"] == start["tiers"]["0"]["scheduled"] + 1
+            assert took < 60
+            # The P2 streams were preempted, not dropped: each still gets all its tokens.
+            outcomes = await asyncio.wait_for(asyncio.gather(*lows), timeout=600)
+            assert [len(o.tokens) for o in outcomes] == [P2_TOKENS] * P2_STREAMS
+        finally:
+            for task in lows:
+                task.cancel()
+            await channel.close(grace=None)
 
 
 async def test_every_tier_reports_its_queueing(engine_limits_restored: VllmServer) -> None:
