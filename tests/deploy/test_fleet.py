@@ -19,11 +19,18 @@ from sits.runtime.events import Topics
 from tests.deploy.test_k8s import BASE, Resource, config_map, matches, one, workload
 
 CONSUMERS = ("decision", "executor", "validator")
-# The group each service joins, and the topic whose lag says it is behind (its busiest input).
+# The group each service joins, and the topics whose lag says it is behind: its busiest input, and the urgent
+# lane where it reads one (a backlog there delays the actions and verdicts themselves).
 GROUPS = {
-    "decision": (DecisionSettings.model_fields["decision_group"].default, Topics("").metrics),
-    "executor": (ExecutorSettings.model_fields["executor_group"].default, Topics("").commands),
-    "validator": (ValidatorSettings.model_fields["validator_group"].default, Topics("").results),
+    "decision": (
+        DecisionSettings.model_fields["decision_group"].default,
+        {Topics("").metrics, Topics("").metrics_urgent},
+    ),
+    "executor": (ExecutorSettings.model_fields["executor_group"].default, {Topics("").commands}),
+    "validator": (
+        ValidatorSettings.model_fields["validator_group"].default,
+        {Topics("").results, Topics("").metrics_urgent},
+    ),
 }
 
 
@@ -102,21 +109,28 @@ def test_keda_scales_each_consumer_on_its_own_groups_lag(base: list[Resource], k
         assert workload(keda, name)["kind"] == "Deployment", "the overlay carries the base"
         budget = one(base, "PodDisruptionBudget", f"sits-{name}")["spec"]["minAvailable"]
         assert budget < spec["minReplicaCount"] <= spec["maxReplicaCount"] <= partitions
-        (trigger,) = spec["triggers"]
-        assert trigger["type"] == "kafka"
-        group, topic = GROUPS[name]
-        meta = trigger["metadata"]
-        assert meta["consumerGroup"] == f"{prefix}{group}", f"{name} scales on another group's lag"
-        assert meta["topic"] == f"{prefix}{topic}"
-        assert meta["bootstrapServers"] == settings["SITS_KAFKA_BOOTSTRAP"]
-        assert int(meta["lagThreshold"]) > 0 and meta["allowIdleConsumers"] == "false"
-        # Authenticated like the services: every secret it reads exists and has the key.
-        auth = auths[trigger["authenticationRef"]["name"]]
-        params = {ref["parameter"] for ref in auth["spec"]["secretTargetRef"]}
-        assert {"sasl", "username", "password", "tls", "ca"} <= params
-        for ref in auth["spec"]["secretTargetRef"]:
-            secret = secrets.get(ref["name"]) or one(base, "Secret", ref["name"])
-            assert ref["key"] in secret["stringData"], f"{ref['name']} has no key {ref['key']}"
+        group, topics = GROUPS[name]
+        triggers = spec["triggers"]
+        assert {t["metadata"]["topic"] for t in triggers} == {f"{prefix}{t}" for t in topics}
+        assert len(triggers) == len(topics)
+        for trigger in triggers:
+            assert trigger["type"] == "kafka"
+            meta = trigger["metadata"]
+            assert meta["consumerGroup"] == f"{prefix}{group}", f"{name} scales on another group's lag"
+            assert meta["bootstrapServers"] == settings["SITS_KAFKA_BOOTSTRAP"]
+            assert int(meta["lagThreshold"]) > 0 and meta["allowIdleConsumers"] == "false"
+            # Authenticated like the services: every secret it reads exists and has the key.
+            auth = auths[trigger["authenticationRef"]["name"]]
+            params = {ref["parameter"] for ref in auth["spec"]["secretTargetRef"]}
+            assert {"sasl", "username", "password", "tls", "ca"} <= params
+            for ref in auth["spec"]["secretTargetRef"]:
+                secret = secrets.get(ref["name"]) or one(base, "Secret", ref["name"])
+                assert ref["key"] in secret["stringData"], f"{ref['name']} has no key {ref['key']}"
+        # A backlog of samples under pressure must scale out sooner than one of calm samples.
+        lanes = {t["metadata"]["topic"]: int(t["metadata"]["lagThreshold"]) for t in triggers}
+        urgent, calm = f"{prefix}{Topics('').metrics_urgent}", f"{prefix}{Topics('').metrics}"
+        if urgent in lanes and calm in lanes:
+            assert lanes[urgent] < lanes[calm]
     # KEDA spells SCRAM-SHA-512 as scram_sha512 (its Kafka scaler's `sasl` values).
     mechanism = settings["SITS_KAFKA_SASL_MECHANISM"].lower().replace("scram-sha-", "scram_sha")
     assert secrets["sits-kafka-keda"]["stringData"]["sasl"] == mechanism
