@@ -47,8 +47,9 @@ async def test_a_p0_request_preempts_the_newest_lowest_tier_request_when_the_run
     start = await engine_state(address)
     assert start["engine"]["policy"] == "priority", "the engine must run vLLM's priority policy"
     # The test never has to catch a passing state with a read: on a saturated 2-core host a
-    # GET_STATE answer took up to 14 s while the engine ran 175 steps/s, long enough for P2
-    # streams to come and go between two reads (CI failed that way twice). So the P2 streams
+    # GET_STATE answer took 1.7-4.3 s at worst (14 s with three more busy processes) while the
+    # engine ran 175 steps/s, long enough for P2 streams to come and go between two reads (the
+    # likely cause of two CI failures of the earlier version). So the P2 streams
     # queue behind a paused admission (a state that holds until we change it), and each runs
     # 2,000 tokens: the running set stays full at the cap of two for two rounds of 2,000 steps
     # after admission resumes, the window in which the P0 request must arrive.
