@@ -128,11 +128,9 @@ class CapturePublisher:
         if isinstance(event, events_pb2.OomEvent):
             pending = _Pending(RecordKind.OOM, self._oom_topic, event, otel_context.get_current())
             queue = self._urgent_queue
-            self._flush_now.set()
         elif self._under_pressure(event):
             pending = _Pending(RecordKind.METRIC, self._urgent_topic, event, None)
             queue = self._urgent_queue
-            self._flush_now.set()
         else:
             pending = _Pending(RecordKind.METRIC, self._metrics_topic, event, None)
             queue = self._queue
@@ -144,8 +142,10 @@ class CapturePublisher:
             self._to_spool([*self._take(queue, len(queue)), pending])
         else:
             queue.append(pending)
-            if len(queue) >= self._batch_size:
-                self._flush_now.set()
+        # `_flush_now` ends the calm samples' linger: set only while some wait. The urgent queue goes first
+        # without it, and a flag left set with nothing waiting would let the next calm sample skip its linger.
+        if self._queue and (queue is self._urgent_queue or len(self._queue) >= self._batch_size):
+            self._flush_now.set()
         self._wakeup.set()
 
     @property
@@ -200,8 +200,13 @@ class CapturePublisher:
         left = self._oldest_queued_at + self._linger_s - time.monotonic()
         if left <= 0 or self._flush_now.is_set() or stop.is_set():
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._flush_now.wait(), timeout=left)
+        # A stop ends the wait too: the queue then goes out (or to the spool) at once, not a linger later.
+        waits = [asyncio.ensure_future(self._flush_now.wait()), asyncio.ensure_future(stop.wait())]
+        try:
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     @staticmethod
     def _take(queue: deque[_Pending], count: int) -> list[_Pending]:

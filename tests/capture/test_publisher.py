@@ -227,6 +227,12 @@ async def test_calm_samples_linger_to_share_records_and_pressure_ends_the_wait(
         assert publisher.stats.published == 7
         publisher.submit(oom(1))
         await wait_for(lambda: publisher.stats.published == 9)
+        # Pressure with no calm sample waiting goes alone, and the next calm sample lingers as before.
+        publisher.submit(pressed_sample(8, gpu="GPU-a"))
+        await wait_for(lambda: publisher.stats.published == 10)
+        publisher.submit(sample(9))
+        await asyncio.sleep(0.5)
+        assert publisher.stats.published == 10 and publisher.queued == 1
 
 
 async def test_outage_spools_and_drains_in_order(tmp_path: Path, topic_prefix: str) -> None:
