@@ -23,6 +23,9 @@ p99 over the same path's unloaded p99, with and without SITS; the with/without
 ratio of loaded p99s; P0 served; P0 queue wait in the engine; the verdict mix;
 oscillations (a field moved back and forth more than twice a minute). Run again
 with the engine confined to one CPU (`taskset`): the same keys with `_half_cpu`.
+On a machine with an NVIDIA GPU and vLLM's CUDA build (the device machine:
+scripts/gpu/overload_gpu.sh), `--variants gpu` runs the same model, limits and
+load on the GPU: the keys with `_gpu`, the fast machine beside the slow ones.
 
 Run: .venv/bin/python -m bench.overload [--variants full,half_cpu] [--p0-samples 500]
 """
@@ -33,7 +36,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,13 +50,13 @@ from typing import Any
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from bench.common import quantile, utc_stamp, write_result
+from bench.common import machine, quantile, utc_stamp, write_result
 from sits.runtime.events import Topics
 from sits.runtime.tap import TopicTap
 from sits_app.demo.paths import EngineShape, Served, start_baseline, start_engines, start_sits
 from sits_app.demo.timeline import Timeline, oscillations
 from sits_app.results import RESULTS
-from sits_app.stack.vllm_engine import make_random_llama
+from sits_app.stack.vllm_engine import make_random_llama, vllm_version
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = ROOT / "services" / "decision" / "default_policy.yaml"
@@ -64,8 +69,13 @@ MAX_BACKOFF_S = 1.6
 # A client pauses between requests: vLLM delays a request sent the instant the previous one on a connection
 # finished by ~250 ms (seen direct, without Envoy), which would swamp the unloaded baseline.
 THINK_S = 0.25
-# Variant name -> CPUs the engines get (0: all).
-VARIANTS = {"full": 0, "half_cpu": 1}
+# Variant name -> how its engines differ from the whole CPU machine's (EngineShape fields).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "full": {},
+    "half_cpu": {"cpus": 1},
+    # The tiny model needs well under 1 GiB; the rest of the fraction is vLLM's own working room.
+    "gpu": {"gpu_memory_utilization": 0.15},
+}
 REFUSED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
@@ -219,13 +229,27 @@ def summary(samples: dict[str, list[float]]) -> dict[str, Any]:
     }
 
 
-async def run_variant(args: argparse.Namespace, cpus: int, workdir: Path) -> dict[str, Any]:
-    shape = EngineShape(max_num_seqs=CAPACITY, kv_blocks=64, max_model_len=512, max_num_batched_tokens=512, cpus=cpus)
+def variant_machine(variant: str) -> str:
+    """The machine a variant's engines ran on, as its figures are read."""
+    if variant != "gpu":
+        return machine() + (" (engines on one CPU)" if VARIANTS[variant].get("cpus") else "")
+    query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+    try:
+        gpu = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as error:
+        gpu = f"GPU unknown ({error})"
+    return f"{gpu}; {vllm_version()}; {os.cpu_count()} CPU cores"
+
+
+async def run_variant(args: argparse.Namespace, variant: str, workdir: Path) -> dict[str, Any]:
+    shape = EngineShape(
+        max_num_seqs=CAPACITY, kv_blocks=64, max_model_len=512, max_num_batched_tokens=512, **VARIANTS[variant]
+    )
     timeline = Timeline()
     loaded = dict(CLIENTS)
     unloaded = {"p0": CLIENTS["p0"]}
     async with contextlib.AsyncExitStack() as stack:
-        print(f"starting both engines ({'one CPU' if cpus else 'all CPUs'})", flush=True)
+        print(f"starting both engines ({variant_machine(variant)})", flush=True)
         engines = await start_engines(stack, make_random_llama(), shape, workdir, baseline=True, sits=True)
         without = await start_baseline(stack, engines["baseline"], workdir)
         with_sits = await start_sits(stack, engines["sits"], workdir, POLICY, progress=lambda m: print(m, flush=True))
@@ -312,11 +336,11 @@ def is_variant_key(key: str, variant: str, suffix: str) -> bool:
 async def run(args: argparse.Namespace) -> None:
     results: dict[str, dict[str, Any]] = {}
     for variant in args.variants.split(","):
-        cpus = VARIANTS[variant]
         workdir = Path(tempfile.mkdtemp(prefix=f"sits-bench-overload-{variant}-"))
         print(f"== variant {variant} (logs in {workdir})", flush=True)
-        results[variant] = await run_variant(args, cpus, workdir)
+        results[variant] = await run_variant(args, variant, workdir)
         results[variant]["detail"]["measured_at"] = utc_stamp()
+        results[variant]["detail"]["machine"] = variant_machine(variant)
         print(json.dumps(results[variant]["figures"], indent=2), flush=True)
         # Written after each variant: a later one that fails keeps what the earlier ones measured.
         record(args, results)
@@ -345,7 +369,8 @@ def record(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None
             baseline[f"p0_ttft_p99_ms_{phase_name}{suffix}"] = detail["phases"][phase_name]["p0_ttft_p99_ms"]
     path = write_result(
         "overload",
-        command="make bench (bench/overload.py)",
+        command="make bench (bench/overload.py); gpu: OUT=dir scripts/gpu/overload_gpu.sh on the device machine",
+        machine_text="; ".join(f"{v}: {d.get('machine', machine())}" for v, d in details.items()),
         figures=figures,
         baseline=baseline,
         goal={
@@ -361,7 +386,9 @@ def record(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None
             f"phases of {args.seconds} s interleaved in rounds until every phase has {args.p0_samples} P0 samples. "
             "Without SITS: vLLM FCFS behind Envoy alone. With SITS: the plugin (priority policy), Envoy with the "
             "admission processor, and the whole loop (default policy). half_cpu: the engine confined to one CPU "
-            "with taskset (its API server, EngineCore and worker share it). Ratios: loaded P0 TTFT p99 over the "
+            "with taskset (its API server, EngineCore and worker share it). gpu: the same model, limits and load "
+            "on vLLM's CUDA build (both engines on one GPU, one after the other at start), the fast machine. "
+            "Ratios: loaded P0 TTFT p99 over the "
             "same path's unloaded P0 TTFT p99; with_over_without: loaded p99 with SITS over loaded p99 without."
         ),
         extra={"detail": details},
@@ -374,7 +401,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=25.0, help="length of one phase (default 25)")
     parser.add_argument("--p0-samples", type=int, default=500, help="P0 requests each phase needs at least")
     parser.add_argument("--max-rounds", type=int, default=12, help="stop after this many rounds regardless")
-    parser.add_argument("--variants", default="full,half_cpu", help="full, half_cpu, or both (default)")
+    parser.add_argument(
+        "--variants", default="full,half_cpu", help="full, half_cpu (default: both), or gpu (needs an NVIDIA GPU)"
+    )
     parser.add_argument("--load-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_child:

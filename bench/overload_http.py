@@ -45,7 +45,7 @@ from typing import Any
 
 from bench.common import RESULTS, median, utc_stamp, write_result
 from bench.load_tool import AIPERF_VERSION, ensure_aiperf
-from bench.overload import VARIANTS, variant_suffix
+from bench.overload import VARIANTS, variant_machine, variant_suffix
 from sits_app.demo.paths import EngineShape, start_baseline, start_engines, start_sits
 from sits_app.stack.vllm_engine import VllmOpenAIServer, VllmServer, make_random_llama
 
@@ -259,11 +259,15 @@ async def run(args: argparse.Namespace) -> None:
     command = ensure_aiperf()
     model = make_random_llama()
     for variant in args.variants.split(","):
-        cpus = VARIANTS[variant]
         shape = EngineShape(
-            max_num_seqs=CAPACITY, kv_blocks=64, max_model_len=512, max_num_batched_tokens=512, api="openai", cpus=cpus
+            max_num_seqs=CAPACITY,
+            kv_blocks=64,
+            max_model_len=512,
+            max_num_batched_tokens=512,
+            api="openai",
+            **VARIANTS[variant],
         )
-        print(f"== variant {variant} ({'the engine on one CPU' if cpus else 'all CPUs'})", flush=True)
+        print(f"== variant {variant} ({variant_machine(variant)})", flush=True)
         with tempfile.TemporaryDirectory(prefix="sits-bench-http-") as tmp:
             workdir = Path(tmp)
             runner = Runner(command, args.seconds, workdir / "aiperf", variant)

@@ -27,7 +27,17 @@ from typing import Any
 import psutil
 
 from bench.common import quantile, write_result
-from bench.overload import CAPACITY, CLIENTS, POLICY, VARIANTS, LoadProcess, clients_at, close_channels, variant_suffix
+from bench.overload import (
+    CAPACITY,
+    CLIENTS,
+    POLICY,
+    VARIANTS,
+    LoadProcess,
+    clients_at,
+    close_channels,
+    variant_machine,
+    variant_suffix,
+)
 from sits.v1 import common_pb2
 from sits_app.demo.paths import EngineShape, start_engines, start_sits
 from sits_app.stack.vllm_engine import make_random_llama
@@ -84,14 +94,16 @@ def spread(values: list[float]) -> dict[str, Any]:
     }
 
 
-async def run_variant(rounds: int, seconds: float, cpus: int) -> dict[str, Any]:
+async def run_variant(rounds: int, seconds: float, variant: str) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="sits-bench-p0-path-"))
-    shape = EngineShape(max_num_seqs=CAPACITY, kv_blocks=64, max_model_len=512, max_num_batched_tokens=512, cpus=cpus)
+    shape = EngineShape(
+        max_num_seqs=CAPACITY, kv_blocks=64, max_model_len=512, max_num_batched_tokens=512, **VARIANTS[variant]
+    )
     samples: dict[str, list[float]] = {}
     cpu: dict[str, dict[str, float]] = {"unloaded": {}, "loaded": {}}
     elapsed = {"unloaded": 0.0, "loaded": 0.0}
     async with contextlib.AsyncExitStack() as stack:
-        print(f"starting the engine and the SITS path ({'one CPU' if cpus else 'all CPUs'}; logs in {workdir})")
+        print(f"starting the engine and the SITS path ({variant_machine(variant)}; logs in {workdir})")
         engines = await start_engines(stack, make_random_llama(), shape, workdir, baseline=False, sits=True)
         path = await start_sits(stack, engines["sits"], workdir, POLICY, progress=lambda m: print(m, flush=True))
         assert path.stack is not None
@@ -149,7 +161,7 @@ async def run(args: argparse.Namespace) -> None:
     results = {}
     for variant in args.variants.split(","):
         print(f"== variant {variant}", flush=True)
-        results[variant] = await run_variant(args.rounds, args.seconds, VARIANTS[variant])
+        results[variant] = await run_variant(args.rounds, args.seconds, variant)
     figures: dict[str, Any] = {}
     baseline: dict[str, Any] = {}
     for variant, result in results.items():

