@@ -89,37 +89,14 @@ async def crash_scenario(run_dir: Path, redis_url: str, topic_prefix: str, plan:
         caught = await h.wait_groups_caught_up(rs, ("decision", "executor", "validator"), plan.settle_timeout_s)
         records, account = await _settled_actions(rs, timeout_s=30.0)
         settle_s = time.monotonic() - settle_started
-        backlog = {
-            s: sum((await h.group_backlog(stack.settings.kafka_bootstrap, rs.group(s), rs.group_topics(s))).values())
-            for s in ("decision", "executor", "validator")
-        }
-        inputs = [*topics.samples, topics.oom]
-        sent = sum(len(records[t]) for t in inputs)
-        dead = h.dead_letters_of(records[topics.deadletter], rs.group("decision"), inputs)
-        oom_without_command = [e for e in sent_ooms if len(account.causes.get(e, ())) != 1]
-        lost = backlog["decision"] + len(oom_without_command) + len(account.without_result)
         figures = {
-            "sent": sent,
+            **await _accounted(rs, ("decision", "executor", "validator"), records, account, sent_ooms),
             "sent_by_test": sent_by_test,
-            "handled": sent - len(dead) - backlog["decision"],
-            "dead_lettered": len(dead),
             "garbage_sent": plan.garbage,
-            "duplicates_applied": account.duplicates_applied,
-            "lost": lost,
-            "ooms_sent": len(sent_ooms),
-            "ooms_without_exactly_one_command": len(oom_without_command),
             "ooms_without_command": sum(1 for e in sent_ooms if not account.causes.get(e)),
-            "commands": len(account.commands),
             "command_records": account.command_records,
-            "commands_without_result": len(account.without_result),
-            "applied": len(account.applied_in_topic),
-            "skipped_duplicate": account.count(events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE),
             "skipped_stale": account.count(events_pb2.ACTION_STATUS_SKIPPED_STALE),
             "redis_applied": len(account.redis_effects),
-            "redis_agrees": set(account.redis_effects) == account.applied_in_topic,
-            "backlog_after": backlog,
-            # Where a group stopped short of the end, if it did: what a failure needs to be understood.
-            "backlog_partitions": await h.partitions_behind(rs, backlog, records),
             "restart_s": restarts,
             "burst_s": round(burst_s, 1),
             "catch_up_s": {k: (round(v, 1) if v is not None else None) for k, v in caught.items()},
@@ -195,6 +172,42 @@ async def _settled_actions(
             return records, account
         previous = size
         await asyncio.sleep(2.0)
+
+
+async def _accounted(
+    rs: h.ReliabilityStack,
+    services: tuple[str, ...],
+    records: dict[str, list[h.Record]],
+    account: h.ActionAccount,
+    sent_ooms: list[str],
+) -> Figures:
+    """What the fault scenarios account for alike: sent, handled, dead-lettered, lost, and the backlog each group
+    left behind (lost counts the decision's backlog, OOMs without exactly one command, commands without result)."""
+    backlog = {
+        s: sum((await h.group_backlog(rs.settings.kafka_bootstrap, rs.group(s), rs.group_topics(s))).values())
+        for s in services
+    }
+    inputs = [*rs.topics.samples, rs.topics.oom]
+    sent = sum(len(records[t]) for t in inputs)
+    dead = h.dead_letters_of(records[rs.topics.deadletter], rs.group("decision"), inputs)
+    oom_without_command = [e for e in sent_ooms if len(account.causes.get(e, ())) != 1]
+    return {
+        "sent": sent,
+        "handled": sent - len(dead) - backlog["decision"],
+        "dead_lettered": len(dead),
+        "lost": backlog["decision"] + len(oom_without_command) + len(account.without_result),
+        "duplicates_applied": account.duplicates_applied,
+        "ooms_sent": len(sent_ooms),
+        "ooms_without_exactly_one_command": len(oom_without_command),
+        "commands": len(account.commands),
+        "commands_without_result": len(account.without_result),
+        "applied": len(account.applied_in_topic),
+        "skipped_duplicate": account.count(events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE),
+        "redis_agrees": set(account.redis_effects) == account.applied_in_topic,
+        "backlog_after": backlog,
+        # Where a group stopped short of the end, if it did: what a failure needs to be understood.
+        "backlog_partitions": await h.partitions_behind(rs, backlog, records),
+    }
 
 
 # ---------------------------------------------------------------------------- broker outage
@@ -635,44 +648,22 @@ async def replicas_scenario(
         verdicts = await _verdicts_settled(rs, account, timeout_s=60.0)
         records = verdicts.records
         settle_s = time.monotonic() - settle_started
-        backlog = {
-            s: sum((await h.group_backlog(stack.settings.kafka_bootstrap, rs.group(s), rs.group_topics(s))).values())
-            for s in REPLICATED_SERVICES
-        }
-        inputs = [*topics.samples, topics.oom]
-        sent = sum(len(records[t]) for t in inputs)
-        dead = h.dead_letters_of(records[topics.deadletter], rs.group("decision"), inputs)
-        oom_without_command = [e for e in sent_ooms if len(account.causes.get(e, ())) != 1]
         oom_not_applied = [e for e in sent_ooms if not (account.causes.get(e, set()) & account.applied_in_topic)]
-        lost = backlog["decision"] + len(oom_without_command) + len(account.without_result)
         overlaps = await h.lease_overlaps(redis_url, engines)
         figures = {
-            "sent": sent,
+            **await _accounted(rs, REPLICATED_SERVICES, records, account, sent_ooms),
             "sent_by_test": sent_by_test,
-            "handled": sent - len(dead) - backlog["decision"],
-            "dead_lettered": len(dead),
-            "lost": lost,
-            "duplicates_applied": account.duplicates_applied,
             "double_leases": len(overlaps),
             "lease_grants": await h.lease_grants(redis_url, engines),
             "replicas_killed": len(killed),
             "replicas_added": len(added),
             "killed": killed,
             "added": added,
-            "ooms_sent": len(sent_ooms),
-            "ooms_without_exactly_one_command": len(oom_without_command),
             "ooms_not_applied": len(oom_not_applied),
-            "commands": len(account.commands),
-            "commands_without_result": len(account.without_result),
-            "applied": len(account.applied_in_topic),
-            "skipped_duplicate": account.count(events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE),
             "actions_to_judge": verdicts.expected,
             "verdicts": verdicts.total,
             "actions_without_verdict": verdicts.missing,
             "actions_with_several_verdicts": verdicts.repeated,
-            "redis_agrees": set(account.redis_effects) == account.applied_in_topic,
-            "backlog_after": backlog,
-            "backlog_partitions": await h.partitions_behind(rs, backlog, records),
             "burst_s": round(burst_s, 1),
             "catch_up_s": {k: (round(v, 1) if v is not None else None) for k, v in caught.items()},
             "settle_s": round(settle_s, 1),
