@@ -226,7 +226,11 @@ async def run(samples: int) -> None:
             direct, direct_get = await direct_control_ms(control, ceiling, samples)
             async with engine_kept_busy(engine.address) as load:
                 await asyncio.sleep(5)  # every stream admitted and decoding
+                # The engine's steps over the busy measurement: a limit can go live only at a step's start.
+                steps_before, steps_from = (await control.state()).step, time.perf_counter()
                 busy = await measure(settings, producer, executor, control, ceiling, samples, f"{prefix}busy")
+                steps = (await control.state()).step - steps_before
+                busy_step_ms = (time.perf_counter() - steps_from) * 1000 / max(1, steps)
                 busy_direct, busy_get = await direct_control_ms(control, ceiling, samples)
                 busy_raw = await raw_roundtrip_ms(broker.bootstrap, f"{prefix}busy-raw", samples)
                 load.terminate()
@@ -257,6 +261,8 @@ async def run(samples: int) -> None:
             "busy_raw_broker_roundtrip_p99_ms": round(quantile(busy_raw, 0.99), 2),
             # Streams the load finished over the whole busy phase: the engine kept serving while capped and uncapped.
             "busy_streams_finished": busy_streams,
+            # Mean engine step over the busy measurement (wall time / steps): the period at which a limit can apply.
+            "busy_engine_step_ms_mean": round(busy_step_ms, 2),
         },
         baseline={
             "raw_broker_roundtrip_p50_ms": round(median(raw), 2),
