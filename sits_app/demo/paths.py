@@ -62,7 +62,8 @@ class EngineShape:
     def server(self, model: Path, log_path: Path, sits: bool) -> VllmServer:
         extra: tuple[str, ...] = ("--num-gpu-blocks-override", str(self.kv_blocks))
         if self.gpu_memory_utilization:
-            # bfloat16: the random Llama is saved in float32, which vLLM's GPU attention backends refuse.
+            # bfloat16: the random Llama is saved in float32, and FlashAttention (vLLM's default on Hopper) takes
+            # only 16-bit types.
             extra += ("--gpu-memory-utilization", str(self.gpu_memory_utilization), "--dtype", "bfloat16")
         kind = VllmOpenAIServer if self.api == "openai" else VllmServer
         return kind(
