@@ -54,12 +54,16 @@ _MODEL_SHAPE: dict[str, Any] = {
 }
 
 
+class VllmServerError(RuntimeError):
+    """vLLM is not installed, or its server did not start."""
+
+
 def vllm_server_module() -> str:
     """vLLM's own gRPC server module (0.32, the CPU build: launchers.grpc_server; 0.26, the H200 build:
     grpc_server), found without importing vLLM."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("vLLM is not installed in this Python (no module named 'vllm')")
+        raise VllmServerError("vLLM is not installed in this Python (no module named 'vllm')")
     root = Path(next(iter(spec.submodule_search_locations)))
     for relative, module in (
         ("entrypoints/launchers/grpc_server.py", "vllm.entrypoints.launchers.grpc_server"),
@@ -67,7 +71,7 @@ def vllm_server_module() -> str:
     ):
         if (root / relative).exists():
             return module
-    raise SystemExit(f"vLLM at {root} has no gRPC server module")
+    raise VllmServerError(f"vLLM at {root} has no gRPC server module")
 
 
 def vllm_version() -> str:
@@ -108,10 +112,6 @@ def make_random_llama(directory: Path = DEFAULT_MODEL_CACHE, seed: int = 0) -> P
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return make_tokenizer(directory, _MODEL_SHAPE["vocab_size"], _MODEL_SHAPE["max_position_embeddings"])
-
-
-class VllmServerError(RuntimeError):
-    pass
 
 
 class VllmServer:
