@@ -9,22 +9,10 @@
 # turns the raw results into the figures, plots and traces (here or on any machine).
 set -u
 what=${1:?scenarios or overhead}; shift
-export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/h200-vllm-out}"
-mkdir -p "$OUT"
-START=$(date +%s)
-[ -f /tmp/site/env.sh ] || { echo "vLLM is not installed under /tmp/site (run the install calls first)"; exit 3; }
-. /tmp/site/env.sh
-if [ ! -f /tmp/site/.sits-wheels ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 3; }
-  touch /tmp/site/.sits-wheels
-fi
+. scripts/gpu/device_setup.sh
+install_wheels .sits-wheels .whl/*.whl
 export PYTHONPATH="/tmp/site:$PWD"
-mkdir -p /tmp/redis/bin /tmp/redis/lib
-cp .whl/redis/usr/bin/redis-check-rdb /tmp/redis/bin/redis-server 2>/dev/null
-for lib in $(ldd /tmp/redis/bin/redis-server | awk '/not found/ {print $1}'); do cp ".whl/redis/lib/$lib" /tmp/redis/lib/; done
-export H200_REDIS_LIB=/tmp/redis/lib
 {
   cat /proc/sys/kernel/random/boot_id
   nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
