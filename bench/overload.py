@@ -249,7 +249,7 @@ async def run_variant(args: argparse.Namespace, variant: str, workdir: Path) -> 
     loaded = dict(CLIENTS)
     unloaded = {"p0": CLIENTS["p0"]}
     async with contextlib.AsyncExitStack() as stack:
-        print(f"starting both engines ({variant_machine(variant)})", flush=True)
+        print("starting both engines", flush=True)
         engines = await start_engines(stack, make_random_llama(), shape, workdir, baseline=True, sits=True)
         without = await start_baseline(stack, engines["baseline"], workdir)
         with_sits = await start_sits(stack, engines["sits"], workdir, POLICY, progress=lambda m: print(m, flush=True))
@@ -337,10 +337,11 @@ async def run(args: argparse.Namespace) -> None:
     results: dict[str, dict[str, Any]] = {}
     for variant in args.variants.split(","):
         workdir = Path(tempfile.mkdtemp(prefix=f"sits-bench-overload-{variant}-"))
-        print(f"== variant {variant} (logs in {workdir})", flush=True)
+        on = variant_machine(variant)
+        print(f"== variant {variant} on {on} (logs in {workdir})", flush=True)
         results[variant] = await run_variant(args, variant, workdir)
         results[variant]["detail"]["measured_at"] = utc_stamp()
-        results[variant]["detail"]["machine"] = variant_machine(variant)
+        results[variant]["detail"]["machine"] = on
         print(json.dumps(results[variant]["figures"], indent=2), flush=True)
         # Written after each variant: a later one that fails keeps what the earlier ones measured.
         record(args, results)
