@@ -179,29 +179,34 @@ async def measure(
     )
     stop = asyncio.Event()
     runner = asyncio.create_task(consumer.run(stop))
-    await asyncio.sleep(3)  # let the consumer join its group before timing
     reaction: list[float] = []
-    for i in range(samples + 3):
-        cap = 2 + (i % 2) * (ceiling - 2)
-        command = events_pb2.HealingCommand(command_id=uuid.uuid4().hex, kind=events_pb2.ACTION_KIND_SET_ENGINE_LIMITS)
-        command.meta.event_id = uuid.uuid4().hex
-        command.meta.source = "bench"
-        command.meta.target.engine = ENGINE
-        command.engine_limits.max_num_running_reqs = cap
-        command.deadline.FromNanoseconds(int((time.time() + 30) * 1e9))
-        finished.clear()
-        live_at.clear()
-        start = time.perf_counter()
-        await producer.publish(commands_topic, command)
-        await asyncio.wait_for(finished.wait(), 60)
-        if not live_at or (await control.state()).limits.max_num_running_reqs != cap:
-            raise RuntimeError(f"command {i}: cap {cap} never became live")
-        if i >= 3:
-            reaction.append((live_at[0] - start) * 1000)
-    stop.set()
-    await runner
-    await consumer.stop()
-    engine_control.set_limits = set_limits  # type: ignore[method-assign]
+    # A command that never goes live raises: the consumer still stops and the executor's own SetLimits comes back.
+    try:
+        await asyncio.sleep(3)  # let the consumer join its group before timing
+        for i in range(samples + 3):
+            cap = 2 + (i % 2) * (ceiling - 2)
+            command = events_pb2.HealingCommand(
+                command_id=uuid.uuid4().hex, kind=events_pb2.ACTION_KIND_SET_ENGINE_LIMITS
+            )
+            command.meta.event_id = uuid.uuid4().hex
+            command.meta.source = "bench"
+            command.meta.target.engine = ENGINE
+            command.engine_limits.max_num_running_reqs = cap
+            command.deadline.FromNanoseconds(int((time.time() + 30) * 1e9))
+            finished.clear()
+            live_at.clear()
+            start = time.perf_counter()
+            await producer.publish(commands_topic, command)
+            await asyncio.wait_for(finished.wait(), 60)
+            if not live_at or (await control.state()).limits.max_num_running_reqs != cap:
+                raise RuntimeError(f"command {i}: cap {cap} never became live")
+            if i >= 3:
+                reaction.append((live_at[0] - start) * 1000)
+    finally:
+        stop.set()
+        await runner
+        await consumer.stop()
+        engine_control.set_limits = set_limits  # type: ignore[method-assign]
     return reaction
 
 

@@ -70,6 +70,8 @@ class _Pending(NamedTuple):  # a tuple: one is made per sample
     # The caller's trace context, kept for OOM events (one trace follows an OOM to its verdict);
     # None for samples, whose volume makes per-record context switching too costly.
     trace_context: otel_context.Context | None
+    # Whether its record gets a span (`_traced`): decided once, where the lane is chosen.
+    traced: bool
 
 
 @dataclass
@@ -126,13 +128,13 @@ class CapturePublisher:
 
     def submit(self, event: events_pb2.MetricSample | events_pb2.OomEvent) -> None:
         if isinstance(event, events_pb2.OomEvent):
-            pending = _Pending(RecordKind.OOM, self._oom_topic, event, otel_context.get_current())
+            pending = _Pending(RecordKind.OOM, self._oom_topic, event, otel_context.get_current(), True)
             queue = self._urgent_queue
         elif self._under_pressure(event):
-            pending = _Pending(RecordKind.METRIC, self._urgent_topic, event, None)
+            pending = _Pending(RecordKind.METRIC, self._urgent_topic, event, None, True)
             queue = self._urgent_queue
         else:
-            pending = _Pending(RecordKind.METRIC, self._metrics_topic, event, None)
+            pending = _Pending(RecordKind.METRIC, self._metrics_topic, event, None, False)
             queue = self._queue
         if not self._queue and queue is self._queue:  # the linger counts from the oldest calm sample
             self._oldest_queued_at = time.monotonic()
@@ -229,7 +231,8 @@ class CapturePublisher:
         pending: list[_Pending] = []
         for record in records:
             cls = events_pb2.OomEvent if record.kind is RecordKind.OOM else events_pb2.MetricSample
-            pending.append(_Pending(record.kind, record.topic, cls.FromString(record.payload), None))
+            message = cls.FromString(record.payload)
+            pending.append(_Pending(record.kind, record.topic, message, None, self._traced(message)))
         try:
             await self._send(pending)
         except Exception as exc:
@@ -241,16 +244,12 @@ class CapturePublisher:
         metrics.DRAINED.inc(len(records))
         self._export_spool()
 
-    def _traced(self, message: Message, trace_context: otel_context.Context | None) -> bool:
+    def _traced(self, message: Message) -> bool:
         """Trace OOM events, and samples under pressure: those are where an incident's trace starts.
 
         A calm sample gets no span: at tens of thousands a second the span would cost more than
-        publishing it. A batch is traced when one of its samples would be.
+        publishing it. A record that packs several samples is traced when one of them is.
         """
-        if trace_context is not None:
-            return True
-        if isinstance(message, events_pb2.MetricBatch):
-            return any(self._under_pressure(sample) for sample in message.samples)
         return not isinstance(message, events_pb2.MetricSample) or self._under_pressure(message)
 
     def _under_pressure(self, sample: events_pb2.MetricSample) -> bool:
@@ -258,35 +257,38 @@ class CapturePublisher:
         return fraction is not None and fraction >= self._trace_samples_above
 
     @staticmethod
-    def _packed(pending: list[_Pending]) -> list[tuple[str, Message, otel_context.Context | None]]:
-        """The same events, each target's samples (in order) packed into MetricBatch records."""
-        out: list[tuple[str, Message, otel_context.Context | None]] = []
-        per_target: dict[tuple[str, str, str, str, str], list[events_pb2.MetricSample]] = {}
-        for _kind, topic, message, trace_context in pending:
+    def _packed(pending: list[_Pending]) -> list[tuple[str, Message, otel_context.Context | None, bool]]:
+        """The same events, each target's samples (in order) packed into MetricBatch records.
+
+        Each comes with its trace context and whether it is traced.
+        """
+        out: list[tuple[str, Message, otel_context.Context | None, bool]] = []
+        per_target: dict[tuple[str, str, str, str, str], list[tuple[events_pb2.MetricSample, bool]]] = {}
+        for _kind, topic, message, trace_context, traced in pending:
             if trace_context is None and isinstance(message, events_pb2.MetricSample):
                 target = message.meta.target
                 key = (topic, target.host, target.gpu_uuid, target.mig_instance, target.engine)
                 samples = per_target.get(key)
                 if samples is None:
                     per_target[key] = samples = []
-                samples.append(message)
+                samples.append((message, traced))
             else:
-                out.append((topic, message, trace_context))
+                out.append((topic, message, trace_context, traced))
         for key, samples in per_target.items():
             for start in range(0, len(samples), MAX_SAMPLES_PER_RECORD):
                 part = samples[start : start + MAX_SAMPLES_PER_RECORD]
-                out.append((key[0], part[0] if len(part) == 1 else metric_batch(part, BATCH_SOURCE), None))
+                traced = any(sample_traced for _sample, sample_traced in part)
+                record = part[0][0] if len(part) == 1 else metric_batch([sample for sample, _ in part], BATCH_SOURCE)
+                out.append((key[0], record, None, traced))
         return out
 
     async def _send(self, pending: list[_Pending]) -> None:
         assert self._producer is not None
         futures: list[asyncio.Future[Any]] = []
-        for topic, message, trace_context in self._packed(pending):
+        for topic, message, trace_context, traced in self._packed(pending):
             token = otel_context.attach(trace_context) if trace_context is not None else None
             try:
-                futures.append(
-                    await self._producer.enqueue(topic, message, traced=self._traced(message, trace_context))
-                )
+                futures.append(await self._producer.enqueue(topic, message, traced=traced))
             except (KafkaError, OSError, TimeoutError):
                 raise
             except Exception as exc:
