@@ -14,6 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
+from google.protobuf.message import Message
 
 from services.executor import metrics
 from services.executor.adapters.engine import EngineControlClient, VllmEngineClient
@@ -24,7 +25,7 @@ from services.executor.command_gate import CommandDigests, CommandGate
 from services.executor.domain import BreakerPolicy
 from services.executor.service import EngineTarget, Executor, InvalidCommand
 from services.executor.settings import ExecutorSettings
-from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, partition_of
+from sits.runtime.bus import CLOCK_SLACK_S, EventConsumer, EventProducer, ReceivedEvent, find_event, partition_of
 from sits.runtime.clock import SystemClock
 from sits.runtime.events import Topics
 from sits.runtime.signing import file_verifier
@@ -43,6 +44,16 @@ def build_executor(
     async def publish(result: events_pb2.ActionResult) -> None:
         await producer.publish(topics.results, result)
         metrics.count_result(result)
+
+    async def result_published(key: str, command_id: str, written_at: float) -> bool:
+        def applied(message: Message) -> bool:
+            return (
+                isinstance(message, events_pb2.ActionResult)
+                and message.command_id == command_id
+                and message.status == events_pb2.ACTION_STATUS_APPLIED
+            )
+
+        return await find_event(settings, topics.results, key, written_at - CLOCK_SLACK_S, applied) is not None
 
     targets = {
         name: EngineTarget(
@@ -69,6 +80,7 @@ def build_executor(
         lease_ttl_ms=settings.executor_lease_ttl_ms,
         flush_wait_idle_s=settings.executor_flush_wait_idle_s,
         mig=_mig_hook(settings),
+        result_published=result_published,
     )
 
 

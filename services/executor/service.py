@@ -41,7 +41,7 @@ from services.executor.adapters.redis_state import Lease, LeaseHeld, RedisState
 from services.executor.domain import BreakerPolicy
 from sits.runtime.clock import Clock
 from sits.runtime.contract import ActionKind, Tier, format_target_key
-from sits.runtime.events import new_meta
+from sits.runtime.events import new_meta, seconds
 from sits.v1 import common_pb2, events_pb2
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 SOURCE = "executor"
 ActionStatus = events_pb2.ActionStatus
 Publish = Callable[[events_pb2.ActionResult], Awaitable[None]]
+# Whether the APPLIED result of a command (by target key and command id), written about that time (epoch
+# seconds, the writer's clock), is on the results topic.
+ResultPublished = Callable[[str, str, float], Awaitable[bool]]
 
 __all__ = ["ActionNotFound", "EngineTarget", "Executor", "InvalidCommand", "MigHook"]
 
@@ -73,6 +76,8 @@ class Executor:
     mig: MigHook | None = None
     # None: a lone executor, it reconciles every target.
     ownership: Ownership | None = None
+    # None: a duplicate is never checked against the results topic.
+    result_published: ResultPublished | None = None
     _known_keys: dict[str, str] = field(default_factory=dict)
     _pushed_limits: dict[str, dict[Tier, int]] = field(default_factory=dict)
     # Per target: the commands whose breaker or budget was in force at the last reconcile, to report expiry.
@@ -244,6 +249,21 @@ class Executor:
     async def _duplicate(
         self, command: events_pb2.HealingCommand, action_id: str, lease: Lease
     ) -> events_pb2.ActionResult:
+        original = await self.state.action(action_id)
+        if (
+            original is not None
+            and original.status == ActionStatus.ACTION_STATUS_APPLIED
+            and self.result_published is not None
+            and not await self.result_published(
+                format_target_key(original.meta.target),
+                original.command_id,
+                seconds(original.applied_at),
+            )
+        ):
+            # The replica that applied it was killed between recording the action and publishing its result:
+            # the result goes out now, or nothing downstream would hear of the action (no verdict, no budget).
+            log.warning("action %s was applied but its result never published; publishing it now", action_id)
+            await self.publish(original)
         result = self.result_for(
             command, ActionStatus.ACTION_STATUS_SKIPPED_DUPLICATE, f"already applied as action {action_id}", lease
         )

@@ -44,6 +44,16 @@ class AuditStore:
         not leave the action without a verdict forever."""
         return bool(await self._r.set(self._k("by-action", action_id), verdict_id, nx=True, ex=CLAIM_TTL_S))
 
+    async def first_attempt(self, action_id: str, now: float) -> float | None:
+        """Note that this action's verdict is about to be published; None for the first attempt, else when the
+        first one began. A later attempt follows a claimant that was killed, or whose publish failed, after the
+        verdict may have reached the topic: the caller looks there before publishing again."""
+        key = self._k("attempt", action_id)
+        if await self._r.set(key, repr(now), nx=True, px=self._retention_ms):
+            return None
+        raw = await self._r.get(key)
+        return None if raw is None else float(_text(raw))
+
     async def unclaim_verdict(self, action_id: str, verdict_id: str) -> None:
         """Give the claim back when the verdict could not be published, so the next try can."""
         raw = await self._r.get(self._k("by-action", action_id))

@@ -9,7 +9,7 @@ from services.validator.audit import AuditStore
 from services.validator.domain import Validator
 from services.validator.grpc_api import ValidatorApi
 from services.validator.probes import LiveProbes
-from services.validator.service import PendingMoves, ValidatorService
+from services.validator.service import PendingMoves, ValidatorService, verdicts_on_topic
 from services.validator.settings import ValidatorSettings
 from sits.runtime.clock import SystemClock
 from sits.runtime.grpcserver import ServiceBinding
@@ -45,6 +45,7 @@ async def serve(settings: ValidatorSettings, stop: asyncio.Event | None = None) 
             clock=SystemClock(),
             probes=probes,
             settle_overrides=settings.validator_settle_s,
+            published_verdict=verdicts_on_topic(settings, app.topics),
         )
         moves = PendingMoves(service, app.topics.results)
         moves.consumer = await app.consumer(

@@ -31,12 +31,13 @@ from services.validator.domain import (
     Validator,
     settle_seconds,
 )
-from sits.runtime.bus import EventProducer, PartitionFollower, ReceivedEvent
+from sits.runtime.bus import CLOCK_SLACK_S, EventProducer, PartitionFollower, ReceivedEvent, find_event
 from sits.runtime.clock import Clock
 from sits.runtime.contract import ActionKind, action_kind_name, parse_target_key
 from sits.runtime.events import Topics, header_value, new_meta, seconds
 from sits.runtime.fanout import Fanout
 from sits.runtime.promise import promise_from_pb
+from sits.runtime.settings import Settings
 from sits.runtime.tracing import current_trace_id, extract_headers
 from sits.v1 import common_pb2, events_pb2
 
@@ -44,6 +45,10 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer("sits.validator")
 
 ROLLBACK_DEADLINE_S = 30.0
+
+
+def rollback_command_id(action_id: str) -> str:
+    return f"rollback-{action_id}"
 
 
 class Probes(Protocol):
@@ -54,6 +59,31 @@ class Probes(Protocol):
         ...
 
     async def engine_healthy(self, target_key: str) -> bool | None: ...
+
+
+class PublishedVerdict(Protocol):
+    """The verdict for `action_id` already on the validation topic (target key's partition), written after
+    `since_s` (epoch seconds, the writer's clock); None when there is none. Raises when the topic cannot be read."""
+
+    async def __call__(
+        self, target_key: str, action_id: str, since_s: float
+    ) -> events_pb2.ValidationVerdict | None: ...
+
+
+def verdicts_on_topic(settings: Settings, topics: Topics) -> PublishedVerdict:
+    """Looks for an action's verdict on the validation topic itself."""
+
+    async def published(target_key: str, action_id: str, since_s: float) -> events_pb2.ValidationVerdict | None:
+        found = await find_event(
+            settings,
+            topics.validation,
+            target_key,
+            since_s - CLOCK_SLACK_S,
+            lambda m: isinstance(m, events_pb2.ValidationVerdict) and m.action_id == action_id,
+        )
+        return found if isinstance(found, events_pb2.ValidationVerdict) else None
+
+    return published
 
 
 class NoProbes:
@@ -76,6 +106,7 @@ class ValidatorService:
         probes: Probes | None = None,
         settle_overrides: dict[str, float] | None = None,
         source: str = "validator",
+        published_verdict: PublishedVerdict | None = None,
     ) -> None:
         self.validator = validator
         self._audit = audit
@@ -85,6 +116,7 @@ class ValidatorService:
         self._probes = probes or NoProbes()
         self._settle_overrides = settle_overrides or {}
         self._source = source
+        self._published_verdict = published_verdict
         self._targets: dict[str, common_pb2.Target] = {}
         self.live: Fanout[tuple[str, events_pb2.ValidationVerdict]] = Fanout(buffer=256)
         self.on_verdict: Callable[[events_pb2.ValidationVerdict], Awaitable[None]] | None = None
@@ -196,18 +228,35 @@ class ValidatorService:
             # Claimed and not recorded: another replica is publishing it, or died doing so and its claim runs
             # out. Keep watching; the next tick tries again.
             return False
+        found = ""
         try:
-            await self._publish_verdict(pending, judgement, verdict, target, now)
+            earlier = await self._earlier_verdict(pending, now)
+            if earlier is not None:
+                # An earlier claimant published it and died (or lost its answer) before recording it: that
+                # verdict stands, and its rollback goes out again (the executor applies a command id once).
+                verdict, found = earlier, " (an earlier attempt's, found on the topic)"
+                if verdict.rollback_command_id:
+                    await self._publish_rollback(pending, verdict, target, now)
+            else:
+                await self._publish_verdict(pending, judgement, verdict, target, now)
         except BaseException:
             await self._audit.unclaim_verdict(pending.action_id, verdict.verdict_id)
             raise
+        outcome = events_pb2.Verdict.Name(verdict.verdict).removeprefix("VERDICT_")
         if await self._audit.record_verdict(verdict, pending.target_key, claimed=True):
-            metrics.VERDICTS.labels(kind=pending.kind.lower(), verdict=judgement.outcome.value.lower()).inc()
+            metrics.VERDICTS.labels(kind=pending.kind.lower(), verdict=outcome.lower()).inc()
             self.live.publish((pending.target_key, verdict))
             if self.on_verdict is not None:
                 await self.on_verdict(verdict)
-        log.info("verdict %s for action %s", judgement.outcome.value, pending.action_id)
+        log.info("verdict %s for action %s%s", outcome, pending.action_id, found)
         return True
+
+    async def _earlier_verdict(self, pending: PendingAction, now: float) -> events_pb2.ValidationVerdict | None:
+        """The verdict an earlier attempt at this action published, when there was one and it reached the topic."""
+        first_at = await self._audit.first_attempt(pending.action_id, now)
+        if first_at is None or self._published_verdict is None:
+            return None
+        return await self._published_verdict(pending.target_key, pending.action_id, first_at)
 
     async def _publish_verdict(
         self,
@@ -217,20 +266,28 @@ class ValidatorService:
         target: common_pb2.Target,
         now: float,
     ) -> None:
+        # The verdict before its rollback: a successor that finds the verdict on the topic sends the rollback
+        # again, while a rollback sent without its verdict would leave a successor judging afresh.
         if judgement.outcome is Outcome.ROLLED_BACK:
-            rollback = events_pb2.HealingCommand(
-                meta=new_meta(self._source, target, now),
-                command_id=f"rollback-{pending.action_id}",
-                kind=events_pb2.ActionKind.ValueType(ActionKind.ROLLBACK.to_proto()),
-                reason="validation failed: " + "; ".join(c.detail for c in judgement.checks if not c.passed),
-                cause_event_id=pending.action_id,
-            )
-            rollback.rollback.action_id = pending.action_id
-            rollback.deadline.FromNanoseconds(int((now + ROLLBACK_DEADLINE_S) * 1e9))
-            await self._producer.publish(self._topics.commands, rollback)
-            verdict.rollback_command_id = rollback.command_id
-            metrics.ROLLBACKS.labels(kind=pending.kind.lower()).inc()
+            verdict.rollback_command_id = rollback_command_id(pending.action_id)
         await self._producer.publish(self._topics.validation, verdict)
+        if judgement.outcome is Outcome.ROLLED_BACK:
+            await self._publish_rollback(pending, verdict, target, now)
+            metrics.ROLLBACKS.labels(kind=pending.kind.lower()).inc()
+
+    async def _publish_rollback(
+        self, pending: PendingAction, verdict: events_pb2.ValidationVerdict, target: common_pb2.Target, now: float
+    ) -> None:
+        rollback = events_pb2.HealingCommand(
+            meta=new_meta(self._source, target, now),
+            command_id=rollback_command_id(pending.action_id),
+            kind=events_pb2.ActionKind.ValueType(ActionKind.ROLLBACK.to_proto()),
+            reason="validation failed: " + "; ".join(c.detail for c in verdict.checks if not c.passed),
+            cause_event_id=pending.action_id,
+        )
+        rollback.rollback.action_id = pending.action_id
+        rollback.deadline.FromNanoseconds(int((now + ROLLBACK_DEADLINE_S) * 1e9))
+        await self._producer.publish(self._topics.commands, rollback)
 
     async def run_judge_loop(self, stop: asyncio.Event, tick_s: float = 0.1) -> None:
         while not stop.is_set():

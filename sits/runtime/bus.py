@@ -88,6 +88,56 @@ def partition_of(key: str, partitions: int) -> int:
     return int(murmur2(key.encode()) & 0x7FFFFFFF) % partitions
 
 
+# How far one replica's clock may run ahead of another's, when one looks for what the other published.
+CLOCK_SLACK_S = 60.0
+
+
+async def find_event(
+    settings: Settings,
+    topic: str,
+    key: str,
+    since_s: float,
+    match: Callable[[Message], bool],
+    timeout_s: float = 10.0,
+) -> Message | None:
+    """The first event of `key` on `topic`, written at `since_s` or later (record time), that `match` accepts.
+
+    For a writer taking over from one that may have died between publishing an event and recording that it
+    did: it reads only the key's partition, from the first offset at that time to the end offset taken when it
+    begins, through an assigned consumer (no group, no offsets left behind). TimeoutError when it could not
+    read that far in `timeout_s`: the answer is then unknown, not "absent".
+    """
+    consumer = AIOKafkaConsumer(**kafka_client_options(settings), enable_auto_commit=False)
+    await consumer.start()
+    try:
+        await consumer.topics()  # the cluster's metadata
+        partitions = consumer.partitions_for_topic(topic)
+        if not partitions:
+            return None
+        tp = TopicPartition(topic, partition_of(key, len(partitions)))
+        consumer.assign([tp])
+        start = (await consumer.offsets_for_times({tp: max(0, int(since_s * 1000))})).get(tp)
+        # No record that late: Kafka answers None, Tansu 0.6 an offset with timestamp -1.
+        if start is None or start.timestamp < 0:
+            return None
+        end = (await consumer.end_offsets([tp]))[tp]
+        consumer.seek(tp, start.offset)
+        deadline = time.monotonic() + timeout_s
+        while await consumer.position(tp) < end:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{topic}[{tp.partition}] not read to offset {end} in {timeout_s} s")
+            for record in (await consumer.getmany(tp, timeout_ms=200)).get(tp, []):
+                if record.offset >= end or (record.key or b"").decode(errors="replace") != key:
+                    continue
+                with contextlib.suppress(EnvelopeError):
+                    for message in decode_events(list(record.headers), record.value):
+                        if match(message):
+                            return message
+        return None
+    finally:
+        await consumer.stop()
+
+
 class PartitionFollower:
     """Base for a consumer's rebalance handlers whose per-target state follows `topic`'s partitions.
 

@@ -14,10 +14,15 @@ from services.executor.adapters.envoy import EnvoyAdmin
 from services.executor.adapters.redis_state import RedisState, StateUnavailable
 from services.executor.domain import Limits
 from services.executor.grpc_api import MUTATING_METHODS, SERVICE_NAME, ExecutorServicer
+from services.executor.runner import build_executor, close_engine_clients
 from services.executor.service import InvalidCommand
+from services.executor.settings import EngineEndpoints, ExecutorSettings
+from sits.runtime.bus import EventProducer, ensure_topics
 from sits.runtime.contract import Tier
+from sits.runtime.events import Topics
 from sits.runtime.grpcserver import GrpcServer, ServiceBinding, bearer_metadata
 from sits.runtime.redis import connect
+from sits.runtime.settings import Settings
 from sits.v1 import common_pb2, events_pb2, executor_pb2, executor_pb2_grpc
 from sits_app.stack.vllm_engine import VllmServer
 from sits_mesh.envoy_config import breaker_key
@@ -26,6 +31,7 @@ from sits_mesh.policy import Endpoint, MeshPolicy, Overload
 from sits_mesh.pressure import read_pressure
 from tests.executor.conftest import ENGINE, Published, healing_command, make_executor
 from tests.executor.engine_streams import start_streams
+from tests.runtime.test_bus import read_all
 
 pytestmark = pytest.mark.vllm
 
@@ -282,3 +288,48 @@ async def test_flush_cache_applies(engine_limits_restored: VllmServer, redis_url
     assert "flushed" in result.detail
     with pytest.raises(InvalidCommand):
         await executor.handle(healing_command(events_pb2.ACTION_KIND_FLUSH_CACHE, pressure=0.5))
+
+
+class Killed(BaseException):
+    """kill -9 at that line: nothing after it runs."""
+
+
+async def test_a_result_lost_to_a_kill_goes_out_when_the_command_comes_again(
+    engine_limits_restored: VllmServer, redis_url: str, redis_prefix: str, settings: Settings, topics: Topics
+) -> None:
+    engine = engine_limits_restored
+    assert engine.control_address
+    await ensure_topics(settings)
+    executor_settings = ExecutorSettings(
+        **settings.model_dump(include={"kafka_bootstrap", "topic_prefix", "kafka_partitions", "redis_url"}),
+        executor_targets={ENGINE: EngineEndpoints(engine_addr=engine.address, control_addr=engine.control_address)},
+    )
+    command = healing_command(
+        events_pb2.ACTION_KIND_SET_ENGINE_LIMITS, engine_limits=events_pb2.EngineLimits(max_num_running_reqs=3)
+    )
+    async with EventProducer(executor_settings) as producer:
+        # The first replica applies and records the action, and is killed before it publishes the result.
+        first = build_executor(executor_settings, producer, connect(redis_url), redis_prefix=redis_prefix)
+
+        async def killed(_result: events_pb2.ActionResult) -> None:
+            raise Killed
+
+        first.publish = killed
+        with pytest.raises(Killed):
+            await first.handle(command)
+        await close_engine_clients(first)
+        # The command comes again, to the next owner: it applies nothing twice, and the lost result goes out.
+        second = build_executor(executor_settings, producer, connect(redis_url), redis_prefix=redis_prefix)
+        again = await second.handle(command)
+        assert again.status == events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE
+        # A third delivery finds the result on the topic and does not publish it twice.
+        assert (await second.handle(command)).status == events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE
+        await close_engine_clients(second)
+    results = [events_pb2.ActionResult.FromString(r.value) for r in await read_all(settings, topics.results, 4, 3.0)]
+    assert [r.status for r in results] == [
+        APPLIED,
+        events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE,
+        events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE,
+    ]
+    assert results[0].command_id == command.command_id and results[0].action_id in again.detail
+    assert (await engine_limits(engine)).max_num_running_reqs == 3

@@ -8,10 +8,12 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from google.protobuf.message import Message
 from prometheus_client import REGISTRY
 
 from sits.runtime.bus import (
@@ -21,8 +23,10 @@ from sits.runtime.bus import (
     PartitionLag,
     ReceivedEvent,
     ensure_topics,
+    find_event,
     lag_by_topic,
 )
+from sits.runtime.contract import format_target_key
 from sits.runtime.events import (
     DLQ_REASON_HEADER,
     EnvelopeError,
@@ -465,3 +469,26 @@ async def test_a_handler_refusing_a_record_dead_letters_it_as_received_and_consu
     unsigned = [dict(r.headers) for r in records if dict(r.headers)["ce_type"] == b"sits.v1.MetricSample"]
     assert len(signed) == 1 and KEY_ID_HEADER in signed[0] and SIGNATURE_HEADER in signed[0]
     assert all(KEY_ID_HEADER not in h for h in unsigned), "only HealingCommands are signed"
+
+
+async def test_find_event_reads_one_keys_records_since_a_time(settings: Settings, topics: Topics) -> None:
+    await ensure_topics(settings)
+    key = format_target_key(TARGET)
+    async with EventProducer(settings) as producer:
+        await producer.publish(topics.metrics, sample(1))
+        await producer.publish(topics.metrics, sample(2, engine="vllm-1"))  # another key
+        await asyncio.sleep(0.2)
+        since = time.time()
+        await asyncio.sleep(0.2)
+        await producer.publish(topics.metrics, sample(3))
+        await producer.publish(topics.metrics, sample(4, engine="vllm-1"))
+
+    def sequence(n: int) -> Callable[[Message], bool]:
+        return lambda m: isinstance(m, events_pb2.MetricSample) and m.sequence == n
+
+    found = await find_event(settings, topics.metrics, key, since, sequence(3))
+    assert isinstance(found, events_pb2.MetricSample) and found.meta.target == TARGET
+    assert await find_event(settings, topics.metrics, key, since, sequence(1)) is None, "written before `since`"
+    assert await find_event(settings, topics.metrics, key, since - 60, sequence(1)) is not None
+    assert await find_event(settings, topics.metrics, key, since, sequence(4)) is None, "another key's record"
+    assert await find_event(settings, topics.metrics, key, time.time() + 60, sequence(3)) is None, "nothing that late"

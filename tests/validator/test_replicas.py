@@ -1,5 +1,6 @@
 """Two validator replicas over one Redis: a pending watch follows its target to the next owner, and an action
-judged by both (a late judge during a move) gets one verdict in the topic, not two."""
+judged by both (a late judge during a move), or by a replica killed between publishing its verdict and recording
+it, gets one verdict in the topic, not two."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from services.validator.audit import AuditStore
 from services.validator.domain import Validator
-from services.validator.service import ValidatorService
+from services.validator.service import ValidatorService, verdicts_on_topic
 from sits.runtime.bus import EventProducer, ReceivedEvent, ensure_topics
 from sits.runtime.clock import ManualClock
 from sits.runtime.contract import format_target_key
@@ -18,7 +19,7 @@ from sits.runtime.events import Topics
 from sits.runtime.settings import Settings
 from sits.v1 import events_pb2
 from tests.runtime.test_bus import read_all
-from tests.validator.test_service import TARGET, result
+from tests.validator.test_service import TARGET, result, sample
 
 KEY = format_target_key(TARGET)
 
@@ -33,11 +34,20 @@ def replica(
         topics=topics,
         clock=clock,
         settle_overrides={"SHED_PRIORITY": 1.0},
+        published_verdict=verdicts_on_topic(settings, topics),
     )
 
 
-def received(message: events_pb2.ActionResult) -> ReceivedEvent:
+def received(message: events_pb2.ActionResult | events_pb2.MetricSample) -> ReceivedEvent:
     return ReceivedEvent("results", 0, 0, KEY, message, ())
+
+
+class Killed(BaseException):
+    """kill -9 at that line: nothing after it runs."""
+
+
+async def killed(*_args: object, **_kwargs: object) -> None:
+    raise Killed
 
 
 async def verdicts(settings: Settings, topics: Topics, at_least: int) -> list[events_pb2.ValidationVerdict]:
@@ -103,3 +113,43 @@ async def test_a_claim_left_by_a_killed_replica_runs_out_and_the_owner_judges(
         assert "orphan" not in owner.validator.pending
         found = await verdicts(settings, topics, 1)
         assert [v.action_id for v in found] == ["orphan"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("outcome", ["CONFIRMED", "ROLLED_BACK"])
+async def test_a_verdict_published_by_a_replica_killed_before_it_finished_is_not_published_again(
+    settings: Settings, topics: Topics, redis_client, monkeypatch: pytest.MonkeyPatch, outcome: str
+) -> None:
+    monkeypatch.setattr("services.validator.audit.CLAIM_TTL_S", 1)
+    await ensure_topics(settings)
+    clock = ManualClock(start=time.time())
+    action = f"published-{outcome.lower()}"
+    async with EventProducer(settings) as producer:
+        dead = replica(settings, topics, redis_client, producer, clock)
+        owner = replica(settings, topics, redis_client, producer, clock)
+        # Memory stays at 80%: under a 90% watermark the shed is kept, over a 50% one it is rolled back.
+        await dead.handle(received(result(action, clock.now(), watermark=0.9 if outcome == "CONFIRMED" else 0.5)))
+        for i in range(3):
+            await dead.handle(received(sample(clock.now() + i * 0.5, 0.8)))
+        assert await owner.resume() == 1
+        clock.advance(2.0)
+        # The dead replica published its verdict, then was killed: before recording it (a kept shed) or
+        # before sending the rollback that follows it (a rolled-back one).
+        if outcome == "CONFIRMED":
+            monkeypatch.setattr(dead._audit, "record_verdict", killed)
+        else:
+            monkeypatch.setattr(dead, "_publish_rollback", killed)
+        with pytest.raises(Killed):
+            await dead.judge_due()
+        await asyncio.sleep(1.5)  # its claim runs out
+        assert await owner.judge_due() == 1
+        assert action not in owner.validator.pending
+        found = await verdicts(settings, topics, 1)
+        assert [(v.action_id, events_pb2.Verdict.Name(v.verdict)) for v in found] == [(action, f"VERDICT_{outcome}")]
+        recorded = await AuditStore(redis_client, settings.topic_prefix).verdict_for_action(action)  # type: ignore[arg-type]
+        assert recorded is not None and recorded.verdict == found[0].verdict
+        rollbacks = [
+            events_pb2.HealingCommand.FromString(r.value).command_id
+            for r in await read_all(settings, topics.commands, 2, timeout_s=3.0)
+        ]
+        assert rollbacks == ([f"rollback-{action}"] if outcome == "ROLLED_BACK" else [])
