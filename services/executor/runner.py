@@ -45,15 +45,11 @@ def build_executor(
         await producer.publish(topics.results, result)
         metrics.count_result(result)
 
-    async def result_published(key: str, command_id: str, written_at: float) -> bool:
-        def applied(message: Message) -> bool:
-            return (
-                isinstance(message, events_pb2.ActionResult)
-                and message.command_id == command_id
-                and message.status == events_pb2.ACTION_STATUS_APPLIED
-            )
+    async def result_published(key: str, action_id: str, written_at: float) -> bool:
+        def its_result(message: Message) -> bool:
+            return isinstance(message, events_pb2.ActionResult) and message.action_id == action_id
 
-        return await find_event(settings, topics.results, key, written_at - CLOCK_SLACK_S, applied) is not None
+        return await find_event(settings, topics.results, key, written_at - CLOCK_SLACK_S, its_result) is not None
 
     targets = {
         name: EngineTarget(

@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 SOURCE = "executor"
 ActionStatus = events_pb2.ActionStatus
 Publish = Callable[[events_pb2.ActionResult], Awaitable[None]]
-# Whether the APPLIED result of a command (by target key and command id), written about that time (epoch
-# seconds, the writer's clock), is on the results topic.
+# Whether an action's result (by target key and action id), written about that time (epoch seconds, the
+# writer's clock), is on the results topic.
 ResultPublished = Callable[[str, str, float], Awaitable[bool]]
 
 __all__ = ["ActionNotFound", "EngineTarget", "Executor", "InvalidCommand", "MigHook"]
@@ -252,16 +252,13 @@ class Executor:
         original = await self.state.action(action_id)
         if (
             original is not None
-            and original.status == ActionStatus.ACTION_STATUS_APPLIED
             and self.result_published is not None
             and not await self.result_published(
-                format_target_key(original.meta.target),
-                original.command_id,
-                seconds(original.applied_at),
+                format_target_key(original.meta.target), action_id, seconds(original.applied_at)
             )
         ):
-            # The replica that applied it was killed between recording the action and publishing its result:
-            # the result goes out now, or nothing downstream would hear of the action (no verdict, no budget).
+            # The replica that applied it (an action or a rollback) was killed between recording it and publishing
+            # its result: the result goes out now, or nothing downstream would hear of it (no verdict, no budget).
             log.warning("action %s was applied but its result never published; publishing it now", action_id)
             await self.publish(original)
         result = self.result_for(

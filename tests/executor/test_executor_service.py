@@ -324,12 +324,23 @@ async def test_a_result_lost_to_a_kill_goes_out_when_the_command_comes_again(
         assert again.status == events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE
         # A third delivery finds the result on the topic and does not publish it twice.
         assert (await second.handle(command)).status == events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE
+        # The same for a rollback: undone and recorded, its result lost to a kill, sent when it comes again.
+        undo = healing_command(
+            events_pb2.ACTION_KIND_ROLLBACK, rollback=events_pb2.RollbackParams(action_id=again.detail.split()[-1])
+        )
+        second.publish, publish = killed, second.publish
+        with pytest.raises(Killed):
+            await second.handle(undo)
+        second.publish = publish
+        assert (await second.handle(undo)).status == events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE
         await close_engine_clients(second)
-    results = [events_pb2.ActionResult.FromString(r.value) for r in await read_all(settings, topics.results, 4, 3.0)]
+    results = [events_pb2.ActionResult.FromString(r.value) for r in await read_all(settings, topics.results, 6, 3.0)]
     assert [r.status for r in results] == [
         APPLIED,
         events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE,
         events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE,
+        events_pb2.ACTION_STATUS_ROLLED_BACK,
+        events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE,
     ]
     assert results[0].command_id == command.command_id and results[0].action_id in again.detail
-    assert (await engine_limits(engine)).max_num_running_reqs == 3
+    assert results[3].rolled_back_action_id == results[0].action_id
