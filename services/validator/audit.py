@@ -48,11 +48,9 @@ class AuditStore:
         """Note that this action's verdict is about to be published; None for the first attempt, else when the
         first one began. A later attempt follows a claimant that was killed, or whose publish failed, after the
         verdict may have reached the topic: the caller looks there before publishing again."""
-        key = self._k("attempt", action_id)
-        if await self._r.set(key, repr(now), nx=True, px=self._retention_ms):
-            return None
-        raw = await self._r.get(key)
-        return None if raw is None else float(_text(raw))
+        # SET NX GET (Redis 7): the mark and the earlier one's time in one step.
+        earlier = await self._r.set(self._k("attempt", action_id), repr(now), nx=True, px=self._retention_ms, get=True)
+        return None if earlier is None else float(_text(earlier))
 
     async def unclaim_verdict(self, action_id: str, verdict_id: str) -> None:
         """Give the claim back when the verdict could not be published, so the next try can."""

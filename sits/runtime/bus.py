@@ -115,6 +115,7 @@ async def find_event(
         if not partitions:
             return None
         tp = TopicPartition(topic, partition_of(key, len(partitions)))
+        key_bytes = key.encode()
         consumer.assign([tp])
         start = (await consumer.offsets_for_times({tp: max(0, int(since_s * 1000))})).get(tp)
         # No record that late: Kafka answers None, Tansu 0.6 an offset with timestamp -1.
@@ -127,7 +128,7 @@ async def find_event(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{topic}[{tp.partition}] not read to offset {end} in {timeout_s} s")
             for record in (await consumer.getmany(tp, timeout_ms=200)).get(tp, []):
-                if record.offset >= end or (record.key or b"").decode(errors="replace") != key:
+                if record.offset >= end or record.key != key_bytes:
                     continue
                 with contextlib.suppress(EnvelopeError):
                     for message in decode_events(list(record.headers), record.value):
