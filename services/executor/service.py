@@ -165,8 +165,7 @@ class Executor:
             result.after.CopyFrom(after)
             result.direction = domain.direction(before, after)
             result.detail = restore.describe()
-            await self.state.record(target_name, result, mark_applied=True)
-            await self.publish(result)
+            await self._record_applied(target_name, result)
             return result
         finally:
             await self.state.release_lease(lease)
@@ -242,25 +241,29 @@ class Executor:
         result.direction = domain.direction(before, after)
         if not result.detail:
             result.detail = "; ".join(domain.state_diff(before, after)) or "no change"
+        await self._record_applied(target_name, result)
+        return result
+
+    async def _record_applied(self, target_name: str, result: events_pb2.ActionResult) -> None:
+        # Recorded first, so a replica killed before publishing leaves its command applied, never applied twice;
+        # `_duplicate` then publishes what it recorded.
         await self.state.record(target_name, result, mark_applied=True)
         await self.publish(result)
-        return result
+        await self.state.mark_published(result.action_id)
 
     async def _duplicate(
         self, command: events_pb2.HealingCommand, action_id: str, lease: Lease
     ) -> events_pb2.ActionResult:
         original = await self.state.action(action_id)
-        if (
-            original is not None
-            and self.result_published is not None
-            and not await self.result_published(
-                format_target_key(original.meta.target), action_id, seconds(original.applied_at)
-            )
-        ):
-            # The replica that applied it (an action or a rollback) was killed between recording it and publishing
-            # its result: the result goes out now, or nothing downstream would hear of it (no verdict, no budget).
-            log.warning("action %s was applied but its result never published; publishing it now", action_id)
-            await self.publish(original)
+        if original is not None and self.result_published is not None and not await self.state.was_published(action_id):
+            # Not noted as published: the replica that applied it (an action or a rollback) may have been killed
+            # between recording it and publishing its result. Then it goes out now, or nothing downstream would
+            # hear of it (no verdict, no budget). Only this case reads the topic.
+            key = format_target_key(original.meta.target)
+            if not await self.result_published(key, action_id, seconds(original.applied_at)):
+                log.warning("action %s was applied but its result never published; publishing it now", action_id)
+                await self.publish(original)
+            await self.state.mark_published(action_id)
         result = self.result_for(
             command, ActionStatus.ACTION_STATUS_SKIPPED_DUPLICATE, f"already applied as action {action_id}", lease
         )

@@ -320,10 +320,21 @@ async def test_a_result_lost_to_a_kill_goes_out_when_the_command_comes_again(
         await close_engine_clients(first)
         # The command comes again, to the next owner: it applies nothing twice, and the lost result goes out.
         second = build_executor(executor_settings, producer, connect(redis_url), redis_prefix=redis_prefix)
+        topic_reads: list[str] = []
+        assert second.result_published is not None
+        read_topic = second.result_published
+
+        async def counted(key: str, action_id: str, written_at: float) -> bool:
+            topic_reads.append(action_id)
+            return await read_topic(key, action_id, written_at)
+
+        second.result_published = counted
         again = await second.handle(command)
         assert again.status == events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE
-        # A third delivery finds the result on the topic and does not publish it twice.
+        assert len(topic_reads) == 1
+        # A third delivery does not publish it twice, nor look for it on the topic again: it is noted as published.
         assert (await second.handle(command)).status == events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE
+        assert len(topic_reads) == 1
         # The same for a rollback: undone and recorded, its result lost to a kill, sent when it comes again.
         undo = healing_command(
             events_pb2.ACTION_KIND_ROLLBACK, rollback=events_pb2.RollbackParams(action_id=again.detail.split()[-1])
@@ -333,13 +344,23 @@ async def test_a_result_lost_to_a_kill_goes_out_when_the_command_comes_again(
             await second.handle(undo)
         second.publish = publish
         assert (await second.handle(undo)).status == events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE
+        assert len(topic_reads) == 2
+        # A result published as usual is a duplicate's answer with no topic read.
+        limits = healing_command(
+            events_pb2.ACTION_KIND_SET_ENGINE_LIMITS, engine_limits=events_pb2.EngineLimits(max_num_running_reqs=2)
+        )
+        assert (await second.handle(limits)).status == APPLIED
+        assert (await second.handle(limits)).status == events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE
+        assert len(topic_reads) == 2
         await close_engine_clients(second)
-    results = [events_pb2.ActionResult.FromString(r.value) for r in await read_all(settings, topics.results, 6, 3.0)]
+    results = [events_pb2.ActionResult.FromString(r.value) for r in await read_all(settings, topics.results, 8, 3.0)]
     assert [r.status for r in results] == [
         APPLIED,
         events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE,
         events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE,
         events_pb2.ACTION_STATUS_ROLLED_BACK,
+        events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE,
+        APPLIED,
         events_pb2.ACTION_STATUS_SKIPPED_DUPLICATE,
     ]
     assert results[0].command_id == command.command_id and results[0].action_id in again.detail

@@ -5,6 +5,8 @@ Keys (all under `prefix`, default "sits:executor:"):
 - `fence:<target>`        INCR counter; every lease gets a larger token than the last
 - `applied:<command_id>`  the action_id that applied the command (de-duplication)
 - `action:<action_id>`    the ActionResult (protobuf bytes), with before/after state
+- `published:<action_id>` set once that result is on the results topic, so a redelivered command
+  need not look for it there
 - `actions:<target>`      sorted set of action ids by time, newest last
 - `limits:<target>`       the last engine limits the executor set (for GetLimits while the engine is down)
 - `breaker:<target>:<tier>`  JSON breaker record, expiring when it would read as closed
@@ -22,6 +24,7 @@ actions then, and leaves the command's offset uncommitted.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import uuid
 from dataclasses import dataclass
@@ -33,6 +36,8 @@ from services.executor.domain import BreakerBoard, BreakerRecord, BreakerState, 
 from sits.runtime.contract import Tier
 from sits.runtime.redis import explain as explain_redis_error
 from sits.v1 import events_pb2
+
+log = logging.getLogger(__name__)
 
 
 class StateUnavailable(RuntimeError):
@@ -213,6 +218,20 @@ class RedisState:
                 await pipe.execute()
         except (RedisError, OSError) as error:
             raise StateUnavailable(f"Redis unreachable while recording action: {error}") from error
+
+    async def mark_published(self, action_id: str) -> None:
+        """Note that this action's result reached the results topic (best effort: a miss costs one topic read)."""
+        try:
+            await self._client.set(self._key("published", action_id), 1, ex=self._applied_ttl_s)
+        except (RedisError, OSError) as error:
+            log.warning("could not note that action %s's result was published: %s", action_id, error)
+
+    async def was_published(self, action_id: str) -> bool:
+        """True when `mark_published` noted it; False when not, or not known."""
+        try:
+            return bool(await self._client.exists(self._key("published", action_id)))
+        except (RedisError, OSError) as error:
+            raise StateUnavailable(f"Redis unreachable: {error}") from error
 
     async def action(self, action_id: str) -> events_pb2.ActionResult | None:
         try:
