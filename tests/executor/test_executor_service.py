@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.executor.adapters.engine import EngineControlClient
+from services.executor.adapters.engine import EngineControlClient, VllmEngineClient
 from services.executor.adapters.envoy import EnvoyAdmin
 from services.executor.adapters.redis_state import RedisState, StateUnavailable
 from services.executor.domain import Limits
@@ -21,6 +21,7 @@ from sits.runtime.bus import EventProducer, ensure_topics
 from sits.runtime.contract import Tier
 from sits.runtime.events import Topics
 from sits.runtime.grpcserver import GrpcServer, ServiceBinding, bearer_metadata
+from sits.runtime.procs import free_port
 from sits.runtime.redis import connect
 from sits.runtime.settings import Settings
 from sits.v1 import common_pb2, events_pb2, executor_pb2, executor_pb2_grpc
@@ -279,6 +280,54 @@ async def test_abort_takes_the_lowest_priority_streams_and_spares_p0(
     assert [len(o.tokens) for o in kept] == [64, 64]
     for outcome in dropped:
         assert isinstance(outcome, BaseException) or len(outcome.tokens) < 64, outcome
+
+
+async def test_a_tier_budget_holds_at_envoy_when_the_engine_cannot_abort_its_backlog(
+    engine_limits_restored: VllmServer, redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    # An engine serving the OpenAI API has no gRPC Abort: here the executor's engine address answers nothing.
+    # A demo on that path (2026-12-07) saw each budget cut with a backlog fail whole on the abort.
+    engine = engine_limits_restored
+    assert engine.control_address
+    host, port = engine.address.rsplit(":", 1)
+    policy = MeshPolicy(
+        upstream=Endpoint(address=host, port=int(port)),
+        listener=Endpoint(address="127.0.0.1", port=0),
+        admin=Endpoint(address="127.0.0.1", port=0),
+    )
+    async with (
+        EnvoyProcess(policy, workdir=tmp_path / "envoy") as envoy,
+        EngineControlClient(engine.control_address) as control,
+    ):
+        executor = make_executor(engine, redis_url, redis_prefix, Published(), envoy_admin_url=envoy.admin_url)
+        executor.targets[ENGINE].engine = VllmEngineClient(f"127.0.0.1:{free_port()}", timeout_s=2.0)
+        await control.set_limits({"admission_paused": True})
+        channel, tasks = await start_streams(engine.address, 2, prompt_len=16, max_tokens=8, prefix="p2-wait")
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if len(await control.in_flight()) >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            cut = events_pb2.TierBudget(
+                limits=[
+                    events_pb2.TierLimit(priority=common_pb2.PRIORITY_P1, max_requests=1),
+                    events_pb2.TierLimit(priority=common_pb2.PRIORITY_P2, max_requests=0),
+                ],
+                lease_seconds=30,
+                drain_backlog=True,
+            )
+            result = await executor.handle(healing_command(events_pb2.ACTION_KIND_SET_TIER_BUDGET, tier_budget=cut))
+            assert result.status == APPLIED, result.detail
+            assert "the backlog was not drained (Abort: UNAVAILABLE" in result.detail
+            limits = await EnvoyAdmin(envoy.admin_url).breaker_limits("vllm")
+            assert (limits[Tier.P1], limits[Tier.P2]) == (1, 0)
+            assert len(await control.in_flight()) == 2  # nothing was aborted
+        finally:
+            await control.set_limits({"admission_paused": False})
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=60)
+            await channel.close(grace=None)
+            await close_engine_clients(executor)
 
 
 async def test_flush_cache_applies(engine_limits_restored: VllmServer, redis_url: str, redis_prefix: str) -> None:

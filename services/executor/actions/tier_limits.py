@@ -12,6 +12,7 @@ from typing import ClassVar
 
 from services.executor import domain
 from services.executor.actions.base import Action, ActionContext, EngineTarget, Renewal
+from services.executor.adapters.engine import EngineUnavailable
 from sits.runtime.contract import ActionKind, Tier
 from sits.v1 import events_pb2
 
@@ -79,10 +80,16 @@ class TierBudgetAction(Action):
         if wanted == in_force:
             raise Renewal(f"tier budget held for {lease:g} s more")
         await ctx.push_tier_limits(target)
-        drained = await _drain(target, wanted) if command.tier_budget.drain_backlog else []
         detail = "; ".join(domain.state_diff(before, budget_state(record, now))) + f" (lease {lease:g} s)"
-        if drained:
-            detail += f"; aborted {len(drained)} waiting beyond it: {', '.join(drained)}"
+        if command.tier_budget.drain_backlog:
+            try:
+                drained = await _drain(target, wanted)
+            except EngineUnavailable as error:
+                # The budget holds at Envoy either way; only the backlog already in the engine stays (an
+                # OpenAI-server engine has no abort call: a client's disconnect is its only abort).
+                return f"{detail}; the backlog was not drained ({error})"
+            if drained:
+                detail += f"; aborted {len(drained)} waiting beyond it: {', '.join(drained)}"
         return detail
 
     async def restore(
