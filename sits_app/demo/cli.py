@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import time
 from collections import Counter
@@ -50,7 +51,8 @@ from sits.runtime.events import Topics
 from sits.runtime.redis import RedisUnavailable
 from sits.runtime.tap import TopicTap
 from sits_app.demo.live import render
-from sits_app.demo.load import LoadDriver, LoadShape, RequestOutcome, one_http_request, one_request, ramp
+from sits_app.demo.load import DEFAULT_MIX, MAX_LAG_S, RequestOutcome, one_http_request, one_request
+from sits_app.demo.load_processes import LoadPlan, LoadProcesses
 from sits_app.demo.paths import EngineShape, Served, start_baseline, start_engines, start_sits
 from sits_app.demo.report import PhaseWindow, summarize, write_report
 from sits_app.demo.timeline import Timeline, oscillations
@@ -65,6 +67,13 @@ PROMPT_TOKENS = (48, 160)
 MAX_TOKENS = (48, 128)
 # Share of a phase spent ramping from half of capacity to the peak; the rest holds the peak.
 RAMP_SHARE = 0.6
+# CPUs each engine computes on by default. A GPU node's engine computes on its GPU, apart from the
+# cores that Envoy, SITS and the clients use; on this CPU build the same takes giving it cores of its own.
+# With every CPU its own on a 2-core machine, the engine's processes take most of the host and every
+# client waits for a core (docs/control.md, "Where P0's time goes on two cores").
+ENGINE_CPUS = 1
+# Requests the load keeps in flight at most (a client's connection pool; the rest are not sent).
+MAX_IN_FLIGHT = 96
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,8 @@ class DemoConfig:
     record: bool = True
     # "grpc": vLLM's gRPC Generate; "http": its OpenAI-compatible server (chat completions).
     protocol: str = "grpc"
+    # CPUs each engine may run on (taskset); 0: all of them.
+    engine_cpus: int = ENGINE_CPUS
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +102,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--baseline-seconds", type=float, default=45.0, help="the phase without SITS before it (default 45; 0: none)"
     )
     parser.add_argument("--peak", type=float, default=3.0, help="peak load as a multiple of engine capacity (3)")
+    parser.add_argument(
+        "--engine-cpus",
+        type=int,
+        default=ENGINE_CPUS,
+        help=f"CPUs each engine runs on (default {ENGINE_CPUS}: the engine computes apart from Envoy, SITS and the "
+        "clients, as on a GPU node; 0: all CPUs, where on a small machine they all wait for one another)",
+    )
     parser.add_argument("--replay", type=Path, default=None, help="replay a recorded trace (traces/h200/*.jsonl.gz)")
     parser.add_argument("--replay-speed", type=float, default=1.0, help="replay speed factor (default 1)")
     parser.add_argument(
@@ -126,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         # demo_run.json records the gRPC demo; an HTTP run reports without replacing it.
         record=not args.no_record and args.replay is None and args.protocol == "grpc",
         protocol=args.protocol,
+        engine_cpus=args.engine_cpus,
     )
     console = Console()
     try:
@@ -142,7 +161,9 @@ class Demo:
         self.timeline = Timeline()
         self.stop = asyncio.Event()
         self.offered_rps = 0.0
-        self.driver: LoadDriver | None = None
+        self.driver: LoadProcesses | None = None
+        # Per phase: the load sent at its peak, as a multiple of the engine's measured capacity.
+        self.peak_sent_x: dict[str, float] = {}
         self.notes: list[str] = []
         self.windows: list[PhaseWindow] = []
         self.objective_s = _objective(DEMO_POLICY)
@@ -167,7 +188,14 @@ class Demo:
         async with contextlib.AsyncExitStack() as stack:
             self.step("[1/7] making a random-weight Llama-shaped model (cached after the first run)")
             model = await asyncio.to_thread(make_random_llama)
-            shape = EngineShape(max_num_seqs=self.config.max_num_seqs, kv_blocks=self.config.kv_blocks, api=self._api)
+            shape = EngineShape(
+                max_num_seqs=self.config.max_num_seqs,
+                kv_blocks=self.config.kv_blocks,
+                api=self._api,
+                cpus=self.config.engine_cpus,
+            )
+            if shape.cpus:
+                self.notes.append(f"each engine on {shape.cpus} CPU(s) of {os.cpu_count()} (taskset)")
             what = "two vLLM engines (CPU): one as it ships, one" if with_baseline else "vLLM (CPU)"
             self.step(f"[2/7] starting {what} with the SITS scheduler, each {shape.kv_blocks} KV blocks")
             engines = await start_engines(stack, model, shape, logs, baseline=with_baseline, sits=True)
@@ -291,9 +319,21 @@ class Demo:
 
     async def _drive_load(self, path: Served, capacity: float, seconds: float) -> None:
         base = capacity * 0.5
-        rate = ramp(base, self.config.peak_factor * capacity / base, seconds * RAMP_SHARE, seconds)
-        shape = LoadShape(rate=rate, prompt_tokens=PROMPT_TOKENS, max_tokens=MAX_TOKENS)
-        driver = self.driver = LoadDriver(path.address, shape, max_in_flight=96, api=self._api, model=SERVED_MODEL_NAME)
+        plan = LoadPlan(
+            address=path.address,
+            seconds=seconds,
+            base_rps=base,
+            peak_factor=self.config.peak_factor * capacity / base,
+            ramp_s=seconds * RAMP_SHARE,
+            mix=dict(DEFAULT_MIX),
+            prompt_tokens=PROMPT_TOKENS,
+            max_tokens=MAX_TOKENS,
+            max_in_flight=MAX_IN_FLIGHT,
+            api=self._api,
+            model=SERVED_MODEL_NAME,
+        )
+        rate = plan.rate()
+        driver = self.driver = LoadProcesses(plan)
         driver.on_outcome = lambda outcome: self.timeline.on_request(outcome, path.name)
         began = time.monotonic()
         start_t = began - self.timeline.started_mono
@@ -302,13 +342,21 @@ class Demo:
         def phase() -> str:
             elapsed = time.monotonic() - began
             self.offered_rps = rate(elapsed)
-            return f"{path.name}: load {elapsed:4.0f}/{seconds:.0f} s ({self.offered_rps / capacity:.1f}x capacity)"
+            sent = driver.sent_rate(max(0.0, elapsed - 3.0), elapsed)
+            return (
+                f"{path.name}: load {elapsed:4.0f}/{seconds:.0f} s ({self.offered_rps / capacity:.1f}x capacity asked, "
+                f"{sent / capacity:.1f}x sent over the last 3 s)"
+            )
 
         await self._with_live_view(driver.run(seconds, self.stop), phase)
+        peak_sent = driver.sent_rate(seconds * RAMP_SHARE, seconds)
+        self.peak_sent_x[path.name] = round(peak_sent / capacity, 2)
         self.notes.append(
             f"{path.name}: {base:.1f} req/s rising to {self.config.peak_factor:g}x capacity over "
-            f"{seconds * RAMP_SHARE:.0f} s, held to {seconds:.0f} s; {driver.refused_locally} arrivals not sent "
-            "because 96 were already in flight"
+            f"{seconds * RAMP_SHARE:.0f} s, held to {seconds:.0f} s; at the peak {peak_sent:.1f} req/s sent "
+            f"({peak_sent / capacity:.1f}x capacity); not sent: {driver.refused_locally} arrivals because "
+            f"{MAX_IN_FLIGHT} were already in flight, {driver.behind} because the load generator was over "
+            f"{MAX_LAG_S:g} s behind them"
         )
 
     async def _settle_verdicts(self, wait_s: float = 20.0) -> None:
@@ -410,6 +458,7 @@ class Demo:
             "verdicts": sum(verdicts.values()),
             "verdicts_confirmed_fraction": round(verdicts["CONFIRMED"] / max(1, sum(verdicts.values())), 3),
             "oscillations": len(oscillations(self.timeline.actions)),
+            "peak_load_sent_x_capacity": self.peak_sent_x.get("with SITS"),
         }
         baseline: dict[str, object] = {}
         if "without SITS" in peaks:
@@ -422,6 +471,7 @@ class Demo:
                 "p0_ttft_p99_ms_without_sits": without["P0"].ttft_p99_ms,
                 "p0_ttft_p50_ms_without_sits": without["P0"].ttft_p50_ms,
                 "p0_served_without_sits": f"{without['P0'].served}/{without['P0'].submitted}",
+                "peak_load_sent_x_capacity_without_sits": self.peak_sent_x.get("without SITS"),
             }
         return write_result(
             "demo_run",
