@@ -6,6 +6,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,8 +19,20 @@ from sits.runtime.clock import ManualClock, SystemClock
 from sits.runtime.redis import connect
 from sits.v1 import events_pb2
 from sits_app.stack.vllm_engine import VllmServer
+from sits_mesh.policy import Endpoint, MeshPolicy
 
 ENGINE = "vllm-0"
+
+
+def policy_in_front_of(engine: VllmServer, **fields: Any) -> MeshPolicy:
+    """A mesh policy whose Envoy, on free ports, routes to `engine`."""
+    host, port = engine.address.rsplit(":", 1)
+    return MeshPolicy(
+        upstream=Endpoint(address=host, port=int(port)),
+        listener=Endpoint(address="127.0.0.1", port=0),
+        admin=Endpoint(address="127.0.0.1", port=0),
+        **fields,
+    )
 
 
 @dataclass

@@ -28,9 +28,9 @@ from sits.v1 import common_pb2, events_pb2, executor_pb2, executor_pb2_grpc
 from sits_app.stack.vllm_engine import VllmServer
 from sits_mesh.envoy_config import breaker_key
 from sits_mesh.envoy_process import EnvoyProcess
-from sits_mesh.policy import Endpoint, MeshPolicy, Overload
+from sits_mesh.policy import Overload
 from sits_mesh.pressure import read_pressure
-from tests.executor.conftest import ENGINE, Published, healing_command, make_executor
+from tests.executor.conftest import ENGINE, Published, healing_command, make_executor, policy_in_front_of
 from tests.executor.engine_streams import start_streams
 from tests.runtime.test_bus import read_all
 
@@ -201,14 +201,8 @@ async def test_a_cap_factor_is_resolved_and_applied_on_the_live_engine(
 async def test_breakers_and_pressure_drive_a_real_envoy(
     vllm_engine: VllmServer, redis_url: str, redis_prefix: str, tmp_path: Path
 ) -> None:
-    host, port = vllm_engine.address.rsplit(":", 1)
-    policy = MeshPolicy(
-        upstream=Endpoint(address=host, port=int(port)),
-        listener=Endpoint(address="127.0.0.1", port=0),
-        admin=Endpoint(address="127.0.0.1", port=0),
-        # Relative: inside the Envoy workdir, not the system default under /var/run.
-        overload=Overload(pressure_file="gpu_pressure"),
-    )
+    # Relative: inside the Envoy workdir, not the system default under /var/run.
+    policy = policy_in_front_of(vllm_engine, overload=Overload(pressure_file="gpu_pressure"))
     async with EnvoyProcess(policy, workdir=tmp_path / "envoy") as envoy:
         executor = make_executor(
             vllm_engine,
@@ -289,14 +283,8 @@ async def test_a_tier_budget_holds_at_envoy_when_the_engine_cannot_abort_its_bac
     # A demo on that path (2026-12-07) saw each budget cut with a backlog fail whole on the abort.
     engine = engine_limits_restored
     assert engine.control_address
-    host, port = engine.address.rsplit(":", 1)
-    policy = MeshPolicy(
-        upstream=Endpoint(address=host, port=int(port)),
-        listener=Endpoint(address="127.0.0.1", port=0),
-        admin=Endpoint(address="127.0.0.1", port=0),
-    )
     async with (
-        EnvoyProcess(policy, workdir=tmp_path / "envoy") as envoy,
+        EnvoyProcess(policy_in_front_of(engine), workdir=tmp_path / "envoy") as envoy,
         EngineControlClient(engine.control_address) as control,
     ):
         executor = make_executor(engine, redis_url, redis_prefix, Published(), envoy_admin_url=envoy.admin_url)

@@ -14,7 +14,8 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from services.executor.adapters.engine import EngineControlClient
 from sits_app.stack.vllm_engine import VllmServer
 from sits_mesh.envoy_process import EnvoyProcess
-from sits_mesh.policy import Endpoint, MeshPolicy, Overload
+from sits_mesh.policy import Overload
+from tests.executor.conftest import policy_in_front_of
 from tests.executor.engine_streams import run_stream, start_streams
 from tests.fixtures.vllm import engine_state
 from tests.waiting import polled_until
@@ -118,13 +119,7 @@ async def test_the_engine_runs_a_request_at_the_tier_envoy_routed_it_by(
 ) -> None:
     engine = engine_limits_restored
     assert engine.control_address
-    host, port = engine.address.rsplit(":", 1)
-    policy = MeshPolicy(
-        upstream=Endpoint(address=host, port=int(port)),
-        listener=Endpoint(address="127.0.0.1", port=0),
-        admin=Endpoint(address="127.0.0.1", port=0),
-        overload=Overload(pressure_file="gpu_pressure"),
-    )
+    policy = policy_in_front_of(engine, overload=Overload(pressure_file="gpu_pressure"))
     async with (
         EnvoyProcess(policy, workdir=tmp_path / "envoy") as envoy,
         grpc.aio.insecure_channel(envoy.address) as channel,
