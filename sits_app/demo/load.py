@@ -171,6 +171,14 @@ async def one_http_request(
     return RequestOutcome(priority, started, ttft, time.monotonic(), tokens, "OK")
 
 
+def rate_between(series: list[list[float]], start_s: float, end_s: float) -> float:
+    """Events per second in [start_s, end_s) over sorted lists of event times."""
+    if end_s <= start_s:
+        return 0.0
+    count = sum(bisect.bisect_left(times, end_s) - bisect.bisect_left(times, start_s) for times in series)
+    return count / (end_s - start_s)
+
+
 class LoadDriver:
     """`api="openai"` drives the HTTP path (chat completions for `model`), else vLLM's gRPC `Generate`."""
 
@@ -202,8 +210,7 @@ class LoadDriver:
 
     def sent_rate(self, start_s: float, end_s: float) -> float:
         """Arrivals sent per second that were due between `start_s` and `end_s` after the start of `run`."""
-        sent = bisect.bisect_left(self.sent_at, end_s) - bisect.bisect_left(self.sent_at, start_s)
-        return sent / (end_s - start_s) if end_s > start_s else 0.0
+        return rate_between([self.sent_at], start_s, end_s)
 
     def _pick_priority(self) -> str:
         roll = self._random.random() * sum(self._shape.mix.values())

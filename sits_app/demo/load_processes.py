@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from sits_app.demo.load import LoadDriver, LoadShape, RequestOutcome, ramp
+from sits_app.demo.load import LoadDriver, LoadShape, RequestOutcome, ramp, rate_between
 
 # Which tiers each child sends; every tier of the mix must be in one.
 GROUPS: tuple[tuple[str, ...], ...] = (("P0",), ("P1", "P2"))
@@ -83,9 +83,7 @@ class LoadProcesses:
 
     def sent_rate(self, start_s: float, end_s: float) -> float:
         """Arrivals sent per second that were due between `start_s` and `end_s` into the phase."""
-        if end_s <= start_s:
-            return 0.0
-        return sum(1 for sent in self._sent_at for t in sent if start_s <= t < end_s) / (end_s - start_s)
+        return rate_between(self._sent_at, start_s, end_s)
 
     async def run(self, seconds: float, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
