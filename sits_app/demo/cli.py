@@ -333,7 +333,8 @@ class Demo:
             model=SERVED_MODEL_NAME,
         )
         rate = plan.rate()
-        driver = self.driver = LoadProcesses(plan)
+        logs = self.config.out_dir / "logs"
+        driver = self.driver = LoadProcesses(plan, log_path=logs / f"load-{path.name.replace(' ', '-')}.log")
         driver.on_outcome = lambda outcome: self.timeline.on_request(outcome, path.name)
         began = time.monotonic()
         start_t = began - self.timeline.started_mono

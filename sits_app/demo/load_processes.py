@@ -20,6 +20,7 @@ import dataclasses
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from sits_app.demo.load import LoadDriver, LoadShape, RequestOutcome, ramp, rate_between
@@ -64,7 +65,11 @@ class LoadPlan:
 class LoadProcesses:
     """A `LoadDriver`'s face (in flight, sent, `on_outcome`, `run`) over one child process per tier group."""
 
-    def __init__(self, plan: LoadPlan, groups: tuple[tuple[str, ...], ...] = GROUPS) -> None:
+    def __init__(
+        self, plan: LoadPlan, groups: tuple[tuple[str, ...], ...] = GROUPS, log_path: Path | None = None
+    ) -> None:
+        # The children's standard error goes here (the terminal belongs to the live view); None: inherited.
+        self._log_path = log_path
         present = [g for g in groups if any(t in plan.mix for t in g)]
         self._plans = [plan.share(g, plan.seed + i) for i, g in enumerate(present)]
         self.on_outcome: Callable[[RequestOutcome], None] | None = None
@@ -87,17 +92,20 @@ class LoadProcesses:
 
     async def run(self, seconds: float, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
-        children = [
-            await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "sits_app.demo.load_processes",
-                json.dumps(dataclasses.asdict(dataclasses.replace(plan, seconds=seconds))),
-                stdout=asyncio.subprocess.PIPE,
-                start_new_session=True,
-            )
-            for plan in self._plans
-        ]
+        with contextlib.ExitStack() as files:
+            log = files.enter_context(self._log_path.open("ab")) if self._log_path is not None else None
+            children = [
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "sits_app.demo.load_processes",
+                    json.dumps(dataclasses.asdict(dataclasses.replace(plan, seconds=seconds))),
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=log,
+                    start_new_session=True,
+                )
+                for plan in self._plans
+            ]
         readers: list[asyncio.Future[None]] = [
             asyncio.ensure_future(self._read(i, child)) for i, child in enumerate(children)
         ]
@@ -118,7 +126,8 @@ class LoadProcesses:
                     await asyncio.wait_for(child.wait(), 10)
         failed = [c.returncode for c in children if c.returncode not in (0, -15)]
         if failed and not stop.is_set():
-            raise RuntimeError(f"a load process exited with {failed}")
+            where = f"; its log: {self._log_path}" if self._log_path is not None else ""
+            raise RuntimeError(f"a load process exited with {failed}{where}")
 
     async def _read(self, index: int, child: asyncio.subprocess.Process) -> None:
         assert child.stdout is not None

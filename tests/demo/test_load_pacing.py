@@ -7,6 +7,7 @@ import asyncio
 import socket
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -101,10 +102,11 @@ async def test_the_load_processes_send_each_tier_from_its_own_process_and_report
     assert load.sent_rate(0.0, 2.0) == pytest.approx(load.sent / 2.0)
 
 
-async def test_stopping_the_load_ends_its_processes() -> None:
-    load = LoadProcesses(plan_at(closed_port(), 10.0, 60.0))
+async def test_stopping_the_load_ends_its_processes(tmp_path: Path) -> None:
+    load = LoadProcesses(plan_at(closed_port(), 10.0, 60.0), log_path=tmp_path / "load.log")
     stop = asyncio.Event()
     asyncio.get_running_loop().call_later(1.5, stop.set)
     began = time.monotonic()
     await asyncio.wait_for(load.run(60.0, stop), 30)
     assert time.monotonic() - began < 20
+    assert (tmp_path / "load.log").exists()  # where the children's errors would go, off the live view
