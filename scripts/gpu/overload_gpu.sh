@@ -31,7 +31,9 @@ trap 'kill $REDIS 2>/dev/null' EXIT
 } 2>&1 | tee "$OUT/run.log"
 timeout "${OVERLOAD_TIMEOUT_S:-540}" python3 -m bench.overload --variants gpu "$@" 2>&1 | tee -a "$OUT/run.log"
 cp bench/results/overload.json "$OUT/" 2>/dev/null
-# The runs' logs (engines, Envoy, services), without the brokers' data.
-tar -C /tmp -czf "$OUT/logs.tar.gz" --exclude='*.sock' --exclude='tansu*/data*' sits-bench-overload-gpu-* 2>/dev/null
+# The runs' logs (engines, Envoy, services), without the brokers' data. The glob is expanded in /tmp (with
+# `tar -C /tmp` it was expanded here, matched nothing, and the archive of 2026-12-07 came back empty).
+(cd /tmp && tar -czf "$OUT/logs.tar.gz" --exclude='*.sock' --exclude='tansu*/data*' sits-bench-overload-gpu-*) \
+  || echo "the logs could not all be archived"
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/run.log"
 ls -la "$OUT"
