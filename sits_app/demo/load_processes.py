@@ -1,8 +1,9 @@
 """The demo's load from processes of its own: P0 from one, the lower tiers from another.
 
 A client's time to first token is its own event loop's too. In the demo's process that loop also draws
-the live view and reads the topics, and at 3x load it fell behind: P0 and P1 both measured about a second
-to first token while P0 waited 5 ms in the engine (a demo of 2026-12-07). Each child runs a `LoadDriver`
+the live view and reads the topics, and at 3x load it sent a quarter of the arrivals asked for (a demo of
+2026-12-07, before `LoadDriver` kept its own clock); every delay it has lands in the times it measures.
+Each child runs a `LoadDriver`
 on its share of the arrivals (Poisson streams split by tier add up to the same load) and writes one JSON
 line per finished request and a status line twice a second; the parent turns them back into outcomes.
 P0 gets a process to itself, as `bench/overload.py` measures it, so the lower tiers' streams do not
