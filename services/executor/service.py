@@ -254,16 +254,17 @@ class Executor:
     async def _duplicate(
         self, command: events_pb2.HealingCommand, action_id: str, lease: Lease
     ) -> events_pb2.ActionResult:
-        original = await self.state.action(action_id)
-        if original is not None and self.result_published is not None and not await self.state.was_published(action_id):
+        if self.result_published is not None and not await self.state.was_published(action_id):
             # Not noted as published: the replica that applied it (an action or a rollback) may have been killed
             # between recording it and publishing its result. Then it goes out now, or nothing downstream would
-            # hear of it (no verdict, no budget). Only this case reads the topic.
-            key = format_target_key(original.meta.target)
-            if not await self.result_published(key, action_id, seconds(original.applied_at)):
-                log.warning("action %s was applied but its result never published; publishing it now", action_id)
-                await self.publish(original)
-            await self.state.mark_published(action_id)
+            # hear of it (no verdict, no budget). Only this case reads the action and the topic.
+            original = await self.state.action(action_id)
+            if original is not None:
+                key = format_target_key(original.meta.target)
+                if not await self.result_published(key, action_id, seconds(original.applied_at)):
+                    log.warning("action %s was applied but its result never published; publishing it now", action_id)
+                    await self.publish(original)
+                await self.state.mark_published(action_id)
         result = self.result_for(
             command, ActionStatus.ACTION_STATUS_SKIPPED_DUPLICATE, f"already applied as action {action_id}", lease
         )
