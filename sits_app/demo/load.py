@@ -199,14 +199,17 @@ class LoadDriver:
         self._random = random.Random(seed)
         self.outcomes: list[RequestOutcome] = []
         self.in_flight = 0
-        # Arrivals sent; not sent because `max_in_flight` were in flight; not sent because the driver was more
-        # than MAX_LAG_S behind their time.
-        self.sent = 0
+        # Arrivals not sent because `max_in_flight` were in flight; not sent because the driver was more than
+        # MAX_LAG_S behind their time.
         self.refused_locally = 0
         self.behind = 0
         # When each sent arrival was due, in seconds from the start of `run`.
         self.sent_at: list[float] = []
         self.on_outcome: Callable[[RequestOutcome], None] | None = None
+
+    @property
+    def sent(self) -> int:
+        return len(self.sent_at)
 
     def sent_rate(self, start_s: float, end_s: float) -> float:
         """Arrivals sent per second that were due between `start_s` and `end_s` after the start of `run`."""
@@ -262,7 +265,6 @@ class LoadDriver:
                 if self.in_flight >= self._max_in_flight:
                     self.refused_locally += 1
                     continue
-                self.sent += 1
                 self.sent_at.append(due - began)
                 task = asyncio.create_task(self._issue(stub))
                 tasks.add(task)
