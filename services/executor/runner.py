@@ -14,7 +14,6 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
-from google.protobuf.message import Message
 
 from services.executor import metrics
 from services.executor.adapters.engine import EngineControlClient, VllmEngineClient
@@ -25,7 +24,7 @@ from services.executor.command_gate import CommandDigests, CommandGate
 from services.executor.domain import BreakerPolicy
 from services.executor.service import EngineTarget, Executor, InvalidCommand
 from services.executor.settings import ExecutorSettings
-from sits.runtime.bus import CLOCK_SLACK_S, EventConsumer, EventProducer, ReceivedEvent, find_event, partition_of
+from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, find_action_event, partition_of
 from sits.runtime.clock import SystemClock
 from sits.runtime.events import Topics
 from sits.runtime.signing import file_verifier
@@ -46,10 +45,8 @@ def build_executor(
         metrics.count_result(result)
 
     async def result_published(key: str, action_id: str, written_at: float) -> bool:
-        def its_result(message: Message) -> bool:
-            return isinstance(message, events_pb2.ActionResult) and message.action_id == action_id
-
-        return await find_event(settings, topics.results, key, written_at - CLOCK_SLACK_S, its_result) is not None
+        found = await find_action_event(settings, topics.results, key, events_pb2.ActionResult, action_id, written_at)
+        return found is not None
 
     targets = {
         name: EngineTarget(

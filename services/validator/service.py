@@ -31,7 +31,7 @@ from services.validator.domain import (
     Validator,
     settle_seconds,
 )
-from sits.runtime.bus import CLOCK_SLACK_S, EventProducer, PartitionFollower, ReceivedEvent, find_event
+from sits.runtime.bus import EventProducer, PartitionFollower, ReceivedEvent, find_action_event
 from sits.runtime.clock import Clock
 from sits.runtime.contract import ActionKind, action_kind_name, parse_target_key
 from sits.runtime.events import Topics, header_value, new_meta, seconds
@@ -74,14 +74,9 @@ def verdicts_on_topic(settings: Settings, topics: Topics) -> PublishedVerdict:
     """Looks for an action's verdict on the validation topic itself."""
 
     async def published(target_key: str, action_id: str, since_s: float) -> events_pb2.ValidationVerdict | None:
-        found = await find_event(
-            settings,
-            topics.validation,
-            target_key,
-            since_s - CLOCK_SLACK_S,
-            lambda m: isinstance(m, events_pb2.ValidationVerdict) and m.action_id == action_id,
+        return await find_action_event(
+            settings, topics.validation, target_key, events_pb2.ValidationVerdict, action_id, since_s
         )
-        return found if isinstance(found, events_pb2.ValidationVerdict) else None
 
     return published
 

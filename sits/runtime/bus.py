@@ -40,7 +40,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -137,6 +137,22 @@ async def find_event(
         return None
     finally:
         await consumer.stop()
+
+
+ActionEvent = TypeVar("ActionEvent", events_pb2.ActionResult, events_pb2.ValidationVerdict)
+
+
+async def find_action_event(
+    settings: Settings, topic: str, key: str, kind: type[ActionEvent], action_id: str, written_at: float
+) -> ActionEvent | None:
+    """The `kind` event about `action_id` on `topic`, as another replica would have written it at about
+    `written_at` (that replica's clock: `CLOCK_SLACK_S` earlier is read too). Raises as `find_event` does."""
+
+    def about_it(message: Message) -> bool:
+        return isinstance(message, kind) and message.action_id == action_id
+
+    found = await find_event(settings, topic, key, written_at - CLOCK_SLACK_S, about_it)
+    return found if isinstance(found, kind) else None
 
 
 class PartitionFollower:
