@@ -33,6 +33,7 @@ from sits_mesh.pressure import read_pressure
 from tests.executor.conftest import ENGINE, Published, healing_command, make_executor, policy_in_front_of
 from tests.executor.engine_streams import start_streams
 from tests.runtime.test_bus import read_all
+from tests.waiting import polled_until
 
 pytestmark = pytest.mark.vllm
 
@@ -251,12 +252,8 @@ async def test_abort_takes_the_lowest_priority_streams_and_spares_p0(
         ch0, p0_tasks = await start_streams(engine.address, 2, prompt_len=16, max_tokens=64, prefix="p0-keep")
         ch2, p2_tasks = await start_streams(engine.address, 3, prompt_len=16, max_tokens=64, prefix="p2-drop")
         try:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                if len(await control.in_flight()) >= 5:
-                    break
-                await asyncio.sleep(0.01)
-            in_flight = {r.request_id: r.tier for r in await control.in_flight()}
+            held = await polled_until(control.in_flight, lambda requests: len(requests) >= 5, 30.0, 0.01)
+            in_flight = {r.request_id: r.tier for r in held}
             assert in_flight["p2-drop-0"] == 2 and in_flight["p0-keep-0"] == 0
             command = healing_command(
                 events_pb2.ACTION_KIND_ABORT_LOW_PRIORITY,
@@ -292,11 +289,7 @@ async def test_a_tier_budget_holds_at_envoy_when_the_engine_cannot_abort_its_bac
         await control.set_limits({"admission_paused": True})
         channel, tasks = await start_streams(engine.address, 2, prompt_len=16, max_tokens=8, prefix="p2-wait")
         try:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                if len(await control.in_flight()) >= 2:
-                    break
-                await asyncio.sleep(0.01)
+            await polled_until(control.in_flight, lambda requests: len(requests) >= 2, 30.0, 0.01)
             cut = events_pb2.TierBudget(
                 limits=[
                     events_pb2.TierLimit(priority=common_pb2.PRIORITY_P1, max_requests=1),
