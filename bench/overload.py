@@ -15,8 +15,10 @@ process of their own (`LoadProcess`), so P0's first tokens are not timed on an
 event loop that also serves the others. Refused clients back off exponentially
 (0.1 s doubling to 1.6 s, jittered) as gRPC retry policies do. Phases: each path
 unloaded (P0 alone) and loaded (all tiers, about 3x capacity), interleaved in
-rounds so that drift on a shared machine hits both alike, with at least
-`--p0-samples` P0 requests per phase.
+rounds so that drift on a shared machine hits both alike, until each phase has
+`--p0-samples` P0 requests (a phase that has them sits the later rounds out).
+`--carry-over FILE` adds the samples of earlier runs of the same variant, for a
+machine that gives ten minutes a call (the device machine).
 
 Figures (bench/results/overload.json; keys in BENCHMARKS.md): the loaded P0 TTFT
 p99 over the same path's unloaded p99, with and without SITS; the with/without
@@ -44,6 +46,7 @@ import tempfile
 import time
 from asyncio.subprocess import PIPE
 from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +79,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # The tiny model needs well under 1 GiB; the rest of the fraction is vLLM's own working room.
     "gpu": {"gpu_memory_utilization": 0.15},
 }
+STARTED = time.monotonic()
 REFUSED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
@@ -241,7 +245,11 @@ def variant_machine(variant: str) -> str:
     return f"{gpu}; {vllm_version()}; {os.cpu_count()} CPU cores"
 
 
-async def run_variant(args: argparse.Namespace, variant: str, workdir: Path) -> dict[str, Any]:
+async def run_variant(
+    args: argparse.Namespace, variant: str, workdir: Path, tally: Tally, deadline: float
+) -> dict[str, Any]:
+    """Runs a variant's rounds until each phase has its P0 samples (counting `tally`'s), the rounds run out or
+    the next round would pass `deadline` (monotonic); adds what it measured to `tally`."""
     shape = EngineShape(
         max_num_seqs=CAPACITY, kv_blocks=64, max_model_len=512, max_num_batched_tokens=512, **VARIANTS[variant]
     )
@@ -263,68 +271,122 @@ async def run_variant(args: argparse.Namespace, variant: str, workdir: Path) -> 
         await stack.enter_async_context(tap)
         load = await stack.enter_async_context(LoadProcess())
         paths: dict[str, Served] = {"without": without, "with": with_sits}
-        raw: dict[str, dict[str, list[float]]] = {f"{p}_{k}": {} for p in paths for k in ("unloaded", "loaded")}
+        raw = Tally().raw
         for path in paths.values():  # warm-up: first requests pay for lazy set-up on every hop
             await phase(path.address, unloaded, 2.0, load)
         timeline.restart_clock()
         loaded_windows: list[tuple[float, float]] = []
+        names = [f"{p}_unloaded" for p in paths] + [f"{p}_loaded" for p in paths]
         rounds = 0
         while rounds < args.max_rounds:
-            rounds += 1
-            for name, path in paths.items():
-                pool(raw[f"{name}_unloaded"], await phase(path.address, unloaded, args.seconds, load))
-            for name, path in paths.items():
-                began = time.time() - timeline.started
-                pool(raw[f"{name}_loaded"], await phase(path.address, loaded, args.seconds, load))
-                if name == "with":
-                    loaded_windows.append((began, time.time() - timeline.started))
-            least = min(len(raw[k].get("p0", [])) for k in raw)
-            print(f"round {rounds}: fewest P0 samples in a phase {least}", flush=True)
-            if least >= args.p0_samples:
+            # A phase with enough P0 samples sits the later rounds out: the slowest phase (P0 loaded without
+            # SITS) needs five times the others' time, and the device machine gives ten minutes a call.
+            short = [n for n in names if len(tally.raw[n].get("p0", [])) + len(raw[n].get("p0", [])) < args.p0_samples]
+            if not short:
                 break
+            if rounds and time.monotonic() + len(short) * (args.seconds + 1) > deadline:
+                print(f"round {rounds + 1} would end after --deadline-s; stopping", flush=True)
+                break
+            rounds += 1
+            for name in short:
+                path_name, load_kind = name.split("_")
+                began = time.time() - timeline.started
+                clients = loaded if load_kind == "loaded" else unloaded
+                pool(raw[name], await phase(paths[path_name].address, clients, args.seconds, load))
+                if name == "with_loaded":
+                    loaded_windows.append((began, time.time() - timeline.started))
+            least = min(len(tally.raw[k].get("p0", [])) + len(raw[k].get("p0", [])) for k in names)
+            print(f"round {rounds}: fewest P0 samples in a phase {least}", flush=True)
         await asyncio.sleep(20.0)  # the last actions' settle windows end; their verdicts arrive
         await close_channels()
-    phases = {name: summary(samples) for name, samples in raw.items()}
-    waits = [
-        s.p0_queue_wait_s * 1000
-        for s in timeline.samples
-        if s.p0_queue_wait_s is not None and any(a <= s.t <= b for a, b in loaded_windows)
-    ]
-    verdicts = Counter(v.verdict for v in timeline.verdicts)
     applied = [a for a in timeline.actions if a.status == "APPLIED"]
-    oscillating = oscillations(timeline.actions)
-    with_ratio = phases["with_loaded"]["p0_ttft_p99_ms"] / phases["with_unloaded"]["p0_ttft_p99_ms"]
-    without_ratio = phases["without_loaded"]["p0_ttft_p99_ms"] / phases["without_unloaded"]["p0_ttft_p99_ms"]
-    served = phases["with_loaded"]["served"]["p0"]
-    attempted = served + sum(phases["with_loaded"][outcome]["p0"] for outcome in ("refused", "aborted", "failed"))
-    return {
-        "figures": {
-            "p0_ttft_p99_ratio_with_sits": round(with_ratio, 3),
-            "p0_ttft_p99_ratio_without_sits": round(without_ratio, 3),
-            "p0_ttft_p99_with_over_without": round(
-                phases["with_loaded"]["p0_ttft_p99_ms"] / phases["without_loaded"]["p0_ttft_p99_ms"], 3
-            ),
-            "p0_served_ratio": round(served / attempted, 4) if attempted else float("nan"),
-            "p0_samples_per_phase": min(p["served"]["p0"] for p in phases.values()),
-            "p0_queue_wait_p90_ms_loaded_with_sits": round(quantile(waits, 0.9), 1),
-            "actions": len(applied),
-            "verdicts": sum(verdicts.values()),
-            "verdicts_confirmed_fraction": round(verdicts["CONFIRMED"] / max(1, sum(verdicts.values())), 3),
-            "oscillations": len(oscillating),
-        },
-        "detail": {
-            "phases": phases,
-            "verdict_mix": dict(verdicts),
-            "actions_by_kind": dict(Counter(f"{a.kind} {a.direction}" for a in applied)),
-            "oscillating_fields": oscillating,
-            "rounds": rounds,
-            "verdicts_not_confirmed": [
+    tally.add(
+        Tally(
+            raw=raw,
+            waits=[
+                s.p0_queue_wait_s * 1000
+                for s in timeline.samples
+                if s.p0_queue_wait_s is not None and any(a <= s.t <= b for a, b in loaded_windows)
+            ],
+            verdicts=[
                 {"t": round(v.t, 1), "kind": v.kind, "verdict": v.verdict, "checks": v.checks}
                 for v in timeline.verdicts
-                if v.verdict != "CONFIRMED"
-            ][:20],
-        },
-    }
+            ],
+            actions_by_kind=dict(Counter(f"{a.kind} {a.direction}" for a in applied)),
+            oscillating=oscillations(timeline.actions),
+            rounds=rounds,
+            runs=1,
+        )
+    )
+    return tally.result()
+
+
+@dataclass
+class Tally:
+    """What a variant's runs measured, summed: one run, or several (`--carry-over`) on the same machine."""
+
+    raw: dict[str, dict[str, list[float]]] = field(
+        default_factory=lambda: {f"{p}_{k}": {} for p in ("without", "with") for k in ("unloaded", "loaded")}
+    )
+    waits: list[float] = field(default_factory=list)
+    verdicts: list[dict[str, Any]] = field(default_factory=list)
+    actions_by_kind: dict[str, int] = field(default_factory=dict)
+    # Counted per run: a field's reversals in one run are not continued by the next run's first action.
+    oscillating: dict[str, int] = field(default_factory=dict)
+    rounds: int = 0
+    runs: int = 0
+
+    @classmethod
+    def load(cls, path: Path | None) -> Tally:
+        if path is None or not path.exists():
+            return cls()
+        return cls(**json.loads(path.read_text()))
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+    def add(self, other: Tally) -> None:
+        for name, samples in other.raw.items():
+            pool(self.raw.setdefault(name, {}), samples)
+        self.waits += other.waits
+        self.verdicts += other.verdicts
+        self.actions_by_kind = dict(Counter(self.actions_by_kind) + Counter(other.actions_by_kind))
+        self.oscillating = dict(Counter(self.oscillating) + Counter(other.oscillating))
+        self.rounds += other.rounds
+        self.runs += other.runs
+
+    def result(self) -> dict[str, Any]:
+        phases = {name: summary(samples) for name, samples in self.raw.items()}
+        verdicts = Counter(v["verdict"] for v in self.verdicts)
+        with_ratio = phases["with_loaded"]["p0_ttft_p99_ms"] / phases["with_unloaded"]["p0_ttft_p99_ms"]
+        without_ratio = phases["without_loaded"]["p0_ttft_p99_ms"] / phases["without_unloaded"]["p0_ttft_p99_ms"]
+        served = phases["with_loaded"]["served"]["p0"]
+        attempted = served + sum(phases["with_loaded"][outcome]["p0"] for outcome in ("refused", "aborted", "failed"))
+        return {
+            "figures": {
+                "p0_ttft_p99_ratio_with_sits": round(with_ratio, 3),
+                "p0_ttft_p99_ratio_without_sits": round(without_ratio, 3),
+                "p0_ttft_p99_with_over_without": round(
+                    phases["with_loaded"]["p0_ttft_p99_ms"] / phases["without_loaded"]["p0_ttft_p99_ms"], 3
+                ),
+                "p0_served_ratio": round(served / attempted, 4) if attempted else float("nan"),
+                "p0_samples_per_phase": min(p["served"]["p0"] for p in phases.values()),
+                "p0_queue_wait_p90_ms_loaded_with_sits": round(quantile(self.waits, 0.9), 1),
+                "actions": sum(self.actions_by_kind.values()),
+                "verdicts": sum(verdicts.values()),
+                "verdicts_confirmed_fraction": round(verdicts["CONFIRMED"] / max(1, sum(verdicts.values())), 3),
+                "oscillations": len(self.oscillating),
+            },
+            "detail": {
+                "phases": phases,
+                "verdict_mix": dict(verdicts),
+                "actions_by_kind": self.actions_by_kind,
+                "oscillating_fields": self.oscillating,
+                "rounds": self.rounds,
+                "runs": self.runs,
+                "verdicts_not_confirmed": [v for v in self.verdicts if v["verdict"] != "CONFIRMED"][:20],
+            },
+        }
 
 
 def is_variant_key(key: str, variant: str, suffix: str) -> bool:
@@ -339,7 +401,12 @@ async def run(args: argparse.Namespace) -> None:
         workdir = Path(tempfile.mkdtemp(prefix=f"sits-bench-overload-{variant}-"))
         on = variant_machine(variant)
         print(f"== variant {variant} on {on} (logs in {workdir})", flush=True)
-        results[variant] = await run_variant(args, variant, workdir)
+        tally = Tally.load(args.carry_over)
+        if tally.runs:
+            print(f"carrying over {tally.runs} earlier run(s), {tally.rounds} round(s)", flush=True)
+        results[variant] = await run_variant(args, variant, workdir, tally, STARTED + args.deadline_s)
+        if args.carry_over:
+            tally.save(args.carry_over)
         results[variant]["detail"]["measured_at"] = utc_stamp()
         results[variant]["detail"]["machine"] = on
         results[variant]["detail"]["phase_s"] = args.seconds
@@ -390,7 +457,8 @@ def record(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None
             "phases of "
             + ", ".join(f"{v}: {d.get('phase_s', args.seconds):g} s" for v, d in details.items())
             + f" interleaved in rounds until every phase has {args.p0_samples} P0 samples or the rounds run out "
-            "(detail: rounds). "
+            "(a phase with enough sits later rounds out; detail: rounds, and runs where one call could not "
+            "hold them all). "
             "Without SITS: vLLM FCFS behind Envoy alone. With SITS: the plugin (priority policy), Envoy with the "
             "admission processor, and the whole loop (default policy). half_cpu: the engine confined to one CPU "
             "with taskset (its API server, EngineCore and worker share it). gpu: the same model, limits and load "
@@ -411,8 +479,18 @@ def main() -> int:
     parser.add_argument(
         "--variants", default="full,half_cpu", help="full, half_cpu (default: both), or gpu (needs an NVIDIA GPU)"
     )
+    parser.add_argument(
+        "--deadline-s", type=float, default=float("inf"), help="start no round that would end later than this"
+    )
+    parser.add_argument(
+        "--carry-over",
+        type=Path,
+        help="a file of earlier runs' samples of the same variant: added to this run's, and rewritten with both",
+    )
     parser.add_argument("--load-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.carry_over and "," in args.variants:
+        parser.error("--carry-over keeps one variant's samples: name one variant")
     if args.load_child:
         serve_load()
         return 0

@@ -8,6 +8,8 @@
 # This call carries [".whl", "sits/v1"] (scripts/gpu/build_wheelhouse.sh; the generated stubs):
 #   OUT=dir scripts/gpu/overload_gpu.sh [bench/overload.py options]
 # $OUT gets overload.json (bench/results/overload.json with the gpu variant added), run.log and logs.tar.gz.
+# Rounds that do not fit one call: pass `--deadline-s S --carry-over /tmp/overload-gpu-carry.json` in
+# back-to-back calls on the same warm machine; each adds its samples to the file, which comes back in $OUT.
 set -u
 OUT="${OUT:-/tmp/overload-gpu-out}"
 . scripts/gpu/device_setup.sh
@@ -31,6 +33,7 @@ trap 'kill $REDIS 2>/dev/null' EXIT
 } 2>&1 | tee "$OUT/run.log"
 timeout "${OVERLOAD_TIMEOUT_S:-540}" python3 -m bench.overload --variants gpu "$@" 2>&1 | tee -a "$OUT/run.log"
 cp bench/results/overload.json "$OUT/" 2>/dev/null
+cp /tmp/overload-gpu-carry.json "$OUT/" 2>/dev/null
 # The runs' logs (engines, Envoy, services), without the brokers' data. The glob is expanded in /tmp (with
 # `tar -C /tmp` it was expanded here, matched nothing, and the archive of 2026-12-07 came back empty).
 (cd /tmp && tar -czf "$OUT/logs.tar.gz" --exclude='*.sock' --exclude='tansu*/data*' sits-bench-overload-gpu-*) \
