@@ -172,6 +172,15 @@ class Demo:
     def _api(self) -> str:
         return "openai" if self.config.protocol == "http" else "grpc"
 
+    def _leave_engine_cpus(self, engine_cpus: int) -> None:
+        """Everything started from here on (Envoy, SITS, the clients, this process) runs on the CPUs the engines
+        do not: left free to move, they took turns on the engines' CPU and P0's queue in the engine grew in
+        bursts while P0 alone was under the engine's capacity (make demo, 2026-12-07)."""
+        others = set(range(engine_cpus, os.cpu_count() or 1)) & os.sched_getaffinity(0)
+        if others:
+            os.sched_setaffinity(0, others)
+            self.notes.append(f"Envoy, SITS and the clients on CPU(s) {', '.join(map(str, sorted(others)))}")
+
     def step(self, message: str) -> None:
         self.console.log(message)
 
@@ -199,6 +208,8 @@ class Demo:
             what = "two vLLM engines (CPU): one as it ships, one" if with_baseline else "vLLM (CPU)"
             self.step(f"[2/7] starting {what} with the SITS scheduler, each {shape.kv_blocks} KV blocks")
             engines = await start_engines(stack, model, shape, logs, baseline=with_baseline, sits=True)
+            if shape.cpus:
+                self._leave_engine_cpus(shape.cpus)
             self.step("[3/7] starting Envoy in front of each, SITS admission and the SITS services for one")
             baseline = await start_baseline(stack, engines["baseline"], out / "baseline") if with_baseline else None
             sits = await start_sits(stack, engines["sits"], out, DEMO_POLICY, progress=self.step)

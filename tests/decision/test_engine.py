@@ -250,6 +250,59 @@ def test_an_undo_lifts_a_running_cap_only_as_far_as_the_kv_cache_has_room(clock:
     assert moves[-1][0] - lifted >= 30.0  # the rule's undo keeps its cooldown between steps
 
 
+KV_ROOM_RULE = """
+  - name: kv-room-cap-running
+    description: The KV cache holds fewer running requests than the cap; cap them at what it holds.
+    when:
+      kv_room_below_running_cap: true
+    then:
+      - kind: SET_ENGINE_LIMITS
+        fit_kv_room: true
+"""
+
+
+def test_a_kv_room_rule_caps_at_what_the_cache_holds_not_at_a_share_of_what_runs(clock: ManualClock) -> None:
+    # Seen in make demo (2026-12-07): a cap of 0.75 x running, fired early in the ramp with 3 running, set 2 of
+    # 16, and P0's own load was more than the engine served at 2. Sized from the cache, a cap comes only when
+    # the cache cannot hold the live cap's requests, and holds as many as it can.
+    marker = "  - name: fragmentation-cap-prefill"
+    text = DEFAULT_POLICY.read_text().replace(marker, KV_ROOM_RULE.lstrip("\n") + "\n" + marker)
+    policy = parse_policy(text)
+
+    def feed(engine: DecisionEngine, seconds: float, usage: float, running: int, plugin: bool = True) -> list[object]:
+        moves: list[object] = []
+        for _ in range(int(seconds * 2)):
+            t = clock.now() - 1_000_000.0
+            load = EngineLoad(
+                kv_cache_usage=usage,
+                num_requests_running=running,
+                num_requests_waiting=4,
+                tiers=(TierLoad(tier=1, running=running, waiting=4),) if plugin else (),
+                running_cap=16 if plugin else 0,
+                max_num_seqs=16 if plugin else 0,
+            )
+            moves.extend(dict(c.params) for c in engine.observe(make_sample(t, 0.5, engine=load)))
+            clock.set(clock.now() + 0.5)
+        return moves
+
+    clock.set(1_000_000.0)
+    # Full, but without the plugin the engine's live cap is not known: nothing to size a cap against.
+    assert feed(DecisionEngine(policy, clock), 5, 0.97, 16, plugin=False) == []
+    assert feed(DecisionEngine(policy, clock), 1, 0.97, 16) == [{"max_num_running_reqs": 14}]  # 14 fit in 90%
+    engine = DecisionEngine(policy, clock)
+    assert feed(engine, 5, 0.15, 3) == []  # early in a ramp: 3 take 15%, room for 18 within 90% of the cache
+    # A sample of 6 large requests (a long prompt's prefill, say): 92% of the cache. The largest share would
+    # leave room for 5; at the mean share over the window (2.42 over 36 requests) the cache holds 13.
+    assert feed(engine, 0.5, 0.92, 6) == [{"max_num_running_reqs": 13}]
+
+
+def test_fit_kv_room_needs_its_condition() -> None:
+    rule = KV_ROOM_RULE.replace("kv_room_below_running_cap: true", "kv_usage_above: 0.9")
+    marker = "  - name: fragmentation-cap-prefill"
+    with pytest.raises(PolicyError, match="fit_kv_room"):
+        parse_policy(DEFAULT_POLICY.read_text().replace(marker, rule.lstrip("\n") + "\n" + marker))
+
+
 def test_a_hold_above_its_bound_is_refused() -> None:
     text = re.sub(r"  clear_hold_s: \d+", "  clear_hold_s: 700", rules_policy_text())
     with pytest.raises(PolicyError, match="clear_hold_s"):

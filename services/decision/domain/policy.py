@@ -195,6 +195,10 @@ class Conditions(_Strict):
     # controller.no_loosen_after_oom_s of an OOM: raising the budget loosens).
     step_headroom_below: float | None = Field(default=None, gt=0.0, le=100.0)
     step_headroom_above: float | None = Field(default=None, gt=0.0, le=100.0)
+    # The KV cache holds fewer running requests than the engine's live running cap, at the largest share of it
+    # one running request took over the forecast window (within defaults.undo_kv_fraction of the cache); read
+    # from the SITS plugin's samples, so never true without it.
+    kv_room_below_running_cap: bool = False
 
     @field_validator("root_cause_in")
     @classmethod
@@ -211,7 +215,7 @@ class Conditions(_Strict):
 
     @model_validator(mode="after")
     def _something(self) -> Conditions:
-        if not self.on_oom and all(
+        if not (self.on_oom or self.kv_room_below_running_cap) and all(
             getattr(self, name) is None
             for name in (
                 "memory_fraction_above",
@@ -227,7 +231,7 @@ class Conditions(_Strict):
             raise ValueError(
                 "a rule needs at least one condition (on_oom, memory_fraction_above, "
                 "time_to_limit_below_s, kv_usage_above, kv_time_to_full_below_s, fragmentation_above, root_cause_in, "
-                "step_headroom_below, step_headroom_above)"
+                "step_headroom_below, step_headroom_above, kv_room_below_running_cap)"
             )
         return self
 
@@ -247,6 +251,9 @@ class SetEngineLimits(_Action):
     admission_paused: bool | None = None
     # The token budget whose full step fits the memory left (the policy's step_budget block).
     fit_token_budget: bool = False
+    # The running cap the KV cache holds (the kv_room_below_running_cap condition's room), rather than a share
+    # of whatever happens to run when the rule fires: early in a ramp that share was 2 of 16.
+    fit_kv_room: bool = False
     # Back to the engine's start-up running cap and token budget (what an on_clear undoes a cut with);
     # the prefill chunk cap and admission stay as they are.
     restore_defaults: bool = False
@@ -257,6 +264,8 @@ class SetEngineLimits(_Action):
             raise ValueError("give max_num_running_reqs or max_num_running_reqs_factor, not both")
         if self.fit_token_budget and self.max_num_scheduled_tokens is not None:
             raise ValueError("give max_num_scheduled_tokens or fit_token_budget, not both")
+        if self.fit_kv_room and (self.max_num_running_reqs is not None or self.max_num_running_reqs_factor is not None):
+            raise ValueError("give max_num_running_reqs, max_num_running_reqs_factor or fit_kv_room, only one")
         if self.restore_defaults:
             return self
         if (
@@ -271,6 +280,7 @@ class SetEngineLimits(_Action):
                 )
             )
             and not self.fit_token_budget
+            and not self.fit_kv_room
         ):
             raise ValueError("SET_ENGINE_LIMITS needs at least one limit (or restore_defaults: true)")
         return self
@@ -371,6 +381,13 @@ class Rule(_Strict):
     def _clear_needs_state(self) -> Rule:
         if self.on_clear and self.when.on_oom:
             raise ValueError("an on_oom rule has nothing to clear: on_clear is not allowed with on_oom")
+        return self
+
+    @model_validator(mode="after")
+    def _room_needs_its_condition(self) -> Rule:
+        fits_room = any(isinstance(a, SetEngineLimits) and a.fit_kv_room for a in self.then)
+        if fits_room and not self.when.kv_room_below_running_cap:
+            raise ValueError("fit_kv_room sizes the cap from kv_room_below_running_cap: the rule's when needs it")
         return self
 
 
