@@ -43,7 +43,7 @@ async def in_background(
 ) -> AsyncIterator[asyncio.Event]:
     """`run(stop)` as a task for the block; on the way out `stop` is set and the task has `stop_s` to end."""
     stop = asyncio.Event()
-    task = asyncio.create_task(run(stop))
+    task: asyncio.Future[object] = asyncio.ensure_future(run(stop))
     try:
         yield stop
     finally:

@@ -26,6 +26,10 @@ SET_LIMITS = f"/{SERVICE}/SetLimits"
 LIST_REQUESTS = f"/{SERVICE}/ListRequests"
 # {"wait_idle_s": s} -> {"reset": bool, "reason": str}: the prefix cache, emptied once nothing runs.
 RESET_PREFIX_CACHE = f"/{SERVICE}/ResetPrefixCache"
+# {"request_ids": [client ids, as ListRequests gives them]} -> {"aborted": [ids], "applied": bool}: the
+# requests finished as aborted at the next step, their streams ended with finish reason "abort" (the same
+# on the gRPC and the OpenAI server: the OpenAI server has no abort call of its own).
+ABORT_REQUESTS = f"/{SERVICE}/AbortRequests"
 
 # Keys of the limits object; they mirror sits.v1.EngineLimits field names.
 MAX_NUM_RUNNING_REQS = "max_num_running_reqs"

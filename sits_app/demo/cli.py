@@ -68,7 +68,8 @@ MAX_TOKENS = (48, 128)
 # Share of a phase spent ramping from half of capacity to the peak; the rest holds the peak.
 RAMP_SHARE = 0.6
 # CPUs each engine computes on by default. A GPU node's engine computes on its GPU, apart from the
-# cores that Envoy, SITS and the clients use; on this CPU build the same takes giving it cores of its own.
+# cores that Envoy, SITS and the clients use; on this CPU build the same takes giving it cores of its own,
+# and the rest the other cores (`_leave_engine_cpus`).
 # With every CPU its own on a 2-core machine, the engine's processes take most of the host and every
 # client waits for a core (docs/control.md, "Where P0's time goes on two cores").
 ENGINE_CPUS = 1
@@ -107,7 +108,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=ENGINE_CPUS,
         help=f"CPUs each engine runs on (default {ENGINE_CPUS}: the engine computes apart from Envoy, SITS and the "
-        "clients, as on a GPU node; 0: all CPUs, where on a small machine they all wait for one another)",
+        "clients, which run on the other CPUs, as on a GPU node; 0: all CPUs, where on a small machine they all "
+        "wait for one another)",
     )
     parser.add_argument("--replay", type=Path, default=None, help="replay a recorded trace (traces/h200/*.jsonl.gz)")
     parser.add_argument("--replay-speed", type=float, default=1.0, help="replay speed factor (default 1)")

@@ -36,6 +36,7 @@ def start_control_server(scheduler: SitsScheduler, address: str) -> grpc.Server:
         "GetState": unary(lambda _request: scheduler.control_state()),
         "SetLimits": unary(lambda request: scheduler.set_limits(request.get("limits", {}))),
         "ListRequests": unary(lambda _request: scheduler.list_requests()),
+        "AbortRequests": unary(lambda request: scheduler.abort_requests(request.get("request_ids"))),
         "ResetPrefixCache": unary(
             lambda request: scheduler.reset_prefix_cache_when_idle(float(request.get("wait_idle_s", 2.0)))
         ),

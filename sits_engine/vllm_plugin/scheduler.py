@@ -52,6 +52,17 @@ Live limits, applied at the start of the next `schedule()` (one engine step):
 Changes are made under a lock that `schedule()` holds while it runs, so the
 control thread never mutates the scheduler mid-step.
 
+Abort (AbortRequests): the executor's drain and ABORT_LOW_PRIORITY end
+requests through the plugin, so they work behind the OpenAI server too (it has
+no abort call; vLLM's gRPC server has one). At the next `schedule()` the
+requests are finished as FINISHED_ABORTED (`finish_requests`, as vLLM does for
+a client's abort), and the next `update_from_output` adds an output with
+finish reason ABORT for each, the output vLLM's own engine-side aborts send
+(`EngineCoreProc._send_abort_outputs`, at shutdown and pause; the same
+`EngineCoreOutput(request_id, [], finish_reason=...)` in 0.26 and 0.32): the
+front end ends the stream with finish reason "abort" instead of waiting for
+tokens that never come.
+
 GetState also carries the engine's PyTorch caching allocator (reserved, allocated,
 the least allocated seen: what stays between steps; `AllocatorReading`), read on
 the control thread, so the decision can size a step's activations against what the
@@ -76,7 +87,9 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
 
 from sits.runtime import engine_control as protocol
 from sits.runtime.contract import ALL_TIERS
@@ -117,6 +130,13 @@ class SitsScheduler(Scheduler):
         self._reset_asked_seq = 0
         self._reset_done_seq = 0
         self._reset_ok = False
+        # Aborts asked by the executor (client ids), done by the engine's thread at the next step; the
+        # streams they end, as (engine request id, front-end client index), until the next output.
+        self._abort_asked: set[str] = set()
+        self._abort_asked_seq = 0
+        self._abort_done_seq = 0
+        self._aborted: list[str] = []
+        self._abort_outputs: list[tuple[str, int]] = []
         self._admission_paused = False
         self._resume_signal = threading.Event()
         self._prefill_chunk_cap = int(self.scheduler_config.long_prefill_token_threshold or 0)
@@ -162,6 +182,8 @@ class SitsScheduler(Scheduler):
             self._resume_signal.wait(_PAUSED_IDLE_WAIT_S)
         with self._control_lock:
             self._apply_pending_locked()
+            if self._abort_asked_seq > self._abort_done_seq:
+                self._abort_locked()
             if self._reset_asked_seq > self._reset_done_seq and not self.running:
                 self._reset_prefix_cache_locked()
             if self._by_priority:
@@ -180,6 +202,30 @@ class SitsScheduler(Scheduler):
                     self._pause_state = PauseState.UNPAUSED
             self._record_first_scheduled(output)
             return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._abort_outputs:
+            ended, self._abort_outputs = self._abort_outputs, []
+            for request_id, client_index in ended:
+                batch = outputs.get(client_index)
+                if batch is None:
+                    batch = outputs[client_index] = EngineCoreOutputs(outputs=[])
+                batch.outputs.append(EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT))
+            logger.info("SITS abort: ended %s", ", ".join(f"{r} (client {c})" for r, c in ended))
+        return outputs
+
+    def _abort_locked(self) -> None:
+        asked, self._abort_asked = self._abort_asked, set()
+        ids = [r.request_id for r in self.requests.values() if external_request_id(r.request_id) in asked]
+        for request in self.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
+            self._abort_outputs.append((request.request_id, int(request.client_index)))
+            self._aborted.append(external_request_id(request.request_id))
+        self._abort_done_seq = self._abort_asked_seq
+        logger.info("SITS abort: %d asked, %d finished as aborted", len(asked), len(self._abort_outputs))
+        self._applied.notify_all()
 
     def _record_first_scheduled(self, output: SchedulerOutput) -> None:
         if not output.scheduled_new_reqs:
@@ -335,6 +381,24 @@ class SitsScheduler(Scheduler):
             if chunk != 0 and not self.scheduler_config.enable_chunked_prefill:
                 raise LimitError("the engine runs without chunked prefill; a prefill chunk cap needs it")
         return checked
+
+    def abort_requests(self, request_ids: Any) -> dict[str, Any]:
+        """Queue the requests' abort for the next step and wait until it is done (`_APPLY_WAIT_S` at most).
+
+        Answers the ids it ended (ones already finished or unknown are not in it) and whether the step
+        came in time; an abort not done in time still happens at the next step.
+        """
+        if not isinstance(request_ids, list) or not all(isinstance(i, str) and i for i in request_ids):
+            raise LimitError("request_ids must be a list of request ids")
+        with self._control_lock:
+            if not request_ids or not self.has_requests():
+                return {"aborted": [], "applied": True}
+            self._abort_asked.update(request_ids)
+            self._abort_asked_seq += 1
+            wanted = self._abort_asked_seq
+            done = self._applied.wait_for(lambda: self._abort_done_seq >= wanted, timeout=_APPLY_WAIT_S)
+            aborted, self._aborted = [i for i in self._aborted if i in request_ids], []
+            return {"aborted": aborted, "applied": bool(done)}
 
     def control_state(self) -> dict[str, Any]:
         with self._control_lock:

@@ -138,3 +138,6 @@ async def test_out_of_range_limits_are_refused_and_nothing_changes(engine_limits
             with pytest.raises(EngineRejected):
                 await control.set_limits(bad)
         assert (await control.state()).limits == before.limits
+        with pytest.raises(EngineRejected, match="request_ids must be a list"):
+            await control.abort([""])
+        assert await control.abort(["p2-no-such-request"]) == []

@@ -273,11 +273,12 @@ async def test_abort_takes_the_lowest_priority_streams_and_spares_p0(
         assert isinstance(outcome, BaseException) or len(outcome.tokens) < 64, outcome
 
 
-async def test_a_tier_budget_holds_at_envoy_when_the_engine_cannot_abort_its_backlog(
+async def test_a_tier_budget_drains_its_backlog_through_the_plugin_without_vllms_abort(
     engine_limits_restored: VllmServer, redis_url: str, redis_prefix: str, tmp_path: Path
 ) -> None:
-    # An engine serving the OpenAI API has no gRPC Abort: here the executor's engine address answers nothing.
-    # A demo on that path (2026-12-07) saw each budget cut with a backlog fail whole on the abort.
+    # An engine serving the OpenAI API has no gRPC Abort: here the executor's vLLM address answers nothing,
+    # and the drain goes through the plugin. A demo on that path (2026-12-07) saw each budget cut with a
+    # backlog fail whole on vLLM's Abort, then (after 80a4a19) hold at Envoy with the backlog left in place.
     engine = engine_limits_restored
     assert engine.control_address
     async with (
@@ -300,10 +301,13 @@ async def test_a_tier_budget_holds_at_envoy_when_the_engine_cannot_abort_its_bac
             )
             result = await executor.handle(healing_command(events_pb2.ACTION_KIND_SET_TIER_BUDGET, tier_budget=cut))
             assert result.status == APPLIED, result.detail
-            assert "the backlog was not drained (Abort: UNAVAILABLE" in result.detail
+            assert "aborted 2 waiting beyond it: p2-wait-" in result.detail
             limits = await EnvoyAdmin(envoy.admin_url).breaker_limits("vllm")
             assert (limits[Tier.P1], limits[Tier.P2]) == (1, 0)
-            assert len(await control.in_flight()) == 2  # nothing was aborted
+            # The streams end at once, with vLLM's finish reason for an abort, while admission is still paused.
+            ended = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+            assert [(o.finish_reason, o.tokens) for o in ended] == [("abort", []), ("abort", [])]
+            assert await control.in_flight() == []
         finally:
             await control.set_limits({"admission_paused": False})
             await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=60)

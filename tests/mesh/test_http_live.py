@@ -34,6 +34,7 @@ from tests.mesh.helpers import (
     upstream_read_once_settled,
     wait_for_stat,
 )
+from tests.waiting import polled_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.envoy, pytest.mark.timeout(900)]
 
@@ -67,6 +68,41 @@ async def test_the_executor_flushes_the_openai_engines_prefix_cache_through_the_
         await api.completions.create(model=SERVED_MODEL_NAME, prompt="fill the prefix cache " * 8, max_tokens=2)
     async with EngineControlClient(openai_engine.control_address) as control:
         assert await control.flush_cache(wait_idle_s=10.0) == ""
+
+
+async def test_the_plugin_aborts_openai_streams_that_wait_in_the_engine(openai_engine: VllmOpenAIServer) -> None:
+    # The OpenAI server has no abort call: the executor's drain and ABORT_LOW_PRIORITY go through the plugin.
+    assert openai_engine.control_address is not None
+
+    async def stream(api: openai.AsyncOpenAI) -> tuple[list[str], str | None]:
+        texts: list[str] = []
+        reason = None
+        chunks = await chat(api, tier="p2", max_tokens=16, stream=True)
+        async for chunk in chunks:
+            for choice in chunk.choices:
+                texts.append(choice.delta.content or "")
+                reason = choice.finish_reason or reason
+        return texts, reason
+
+    async with (
+        client(openai_engine.base_url) as api,
+        EngineControlClient(openai_engine.control_address) as control,
+    ):
+        await control.set_limits({"admission_paused": True})  # held in the queue: nothing finishes first
+        try:
+            streams = [asyncio.create_task(stream(api)) for _ in range(2)]
+            waiting = await polled_until(control.in_flight, lambda requests: len(requests) >= 2, 30.0, 0.01)
+            ids = [r.request_id for r in waiting]
+            assert sorted(await control.abort(ids)) == sorted(ids)
+            # They end while admission is still paused, so nothing served them: with no token yet, vLLM's chat
+            # stream skips the finishing chunk (its "chunked prefill" rule) and closes with [DONE].
+            ended = await asyncio.wait_for(asyncio.gather(*streams), timeout=30)
+            assert ended == [([""], None), ([""], None)]  # the role chunk, then the end
+            assert await control.in_flight() == []
+            assert await control.abort(ids) == []  # already ended: nothing to abort twice
+        finally:
+            await control.set_limits({"admission_paused": False})
+        assert (await chat(api, tier="p2", max_tokens=2)).usage.completion_tokens == 2  # the engine serves on
 
 
 async def test_the_routed_tier_header_decides_the_tier_in_the_engine(openai_engine: VllmOpenAIServer) -> None:

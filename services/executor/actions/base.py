@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import ClassVar, Protocol
 
 from services.executor import domain
-from services.executor.adapters.engine import EngineControlClient, VllmEngineClient
+from services.executor.adapters.engine import EngineControlClient, MethodUnsupported, VllmEngineClient
 from services.executor.adapters.envoy import EnvoyAdmin
 from services.executor.adapters.redis_state import RedisState
 from sits.runtime.clock import Clock
@@ -62,6 +62,15 @@ class EngineTarget:
     info: domain.EngineInfo | None = None
     # The GPU the engine runs on: GPU-level commands (engine "") name the GPU, not the engine.
     gpu_uuid: str = ""
+
+
+async def abort_streams(target: EngineTarget, request_ids: list[str]) -> None:
+    """End the streams through the SITS plugin, behind vLLM's gRPC and OpenAI servers alike; through vLLM's
+    gRPC Abort where the engine's plugin predates AbortRequests (an executor upgraded before its engines)."""
+    try:
+        await target.control.abort(request_ids)
+    except MethodUnsupported:
+        await target.engine.abort(request_ids)
 
 
 class ActionContext(Protocol):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from services.executor import domain
-from services.executor.actions.base import Action, ActionContext, EngineTarget
+from services.executor.actions.base import Action, ActionContext, EngineTarget, abort_streams
 from sits.runtime.contract import ActionKind, Tier
 from sits.v1 import events_pb2
 
@@ -43,5 +43,5 @@ class AbortAction(Action):
         victims = domain.choose_abort_victims(
             await target.control.in_flight(), Tier.from_proto(command.abort.at_or_below), command.abort.max_streams
         )
-        await target.engine.abort(victims)
+        await abort_streams(target, victims)
         return f"aborted {len(victims)} stream(s): {', '.join(victims)}" if victims else "no stream to abort"

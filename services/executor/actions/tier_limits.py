@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from services.executor import domain
-from services.executor.actions.base import Action, ActionContext, EngineTarget, Renewal
+from services.executor.actions.base import Action, ActionContext, EngineTarget, Renewal, abort_streams
 from services.executor.adapters.engine import EngineUnavailable
 from sits.runtime.contract import ActionKind, Tier
 from sits.v1 import events_pb2
@@ -85,8 +85,7 @@ class TierBudgetAction(Action):
             try:
                 drained = await _drain(target, wanted)
             except EngineUnavailable as error:
-                # The budget holds at Envoy either way; only the backlog already in the engine stays (an
-                # OpenAI-server engine has no abort call: a client's disconnect is its only abort).
+                # The budget holds at Envoy either way; only the backlog already in the engine stays.
                 return f"{detail}; the backlog was not drained ({error})"
             if drained:
                 detail += f"; aborted {len(drained)} waiting beyond it: {', '.join(drained)}"
@@ -126,5 +125,5 @@ async def _drain(target: EngineTarget, limits: dict[Tier, int]) -> list[str]:
         excess = len(mine) - limit
         waiting = sorted((r for r in mine if not r.running), key=lambda r: r.arrival_time, reverse=True)
         victims += [r.request_id for r in waiting[: max(0, excess)]]
-    await target.engine.abort(victims)
+    await abort_streams(target, victims)
     return victims

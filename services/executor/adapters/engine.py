@@ -1,8 +1,9 @@
 """The engine as the executor sees it: the SITS control endpoint plus vLLM's own gRPC API.
 
-`EngineControlClient` reads and sets live scheduling limits through the
-scheduler plugin's endpoint; `VllmEngineClient` flushes the prefix cache and
-aborts streams through vLLM's `VllmEngine` service.
+`EngineControlClient` reads and sets live scheduling limits, flushes the prefix
+cache and aborts streams through the scheduler plugin's endpoint (the same on
+vLLM's gRPC and OpenAI servers); `VllmEngineClient` aborts through vLLM's
+`VllmEngine` service, for an engine whose plugin predates AbortRequests.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from sits.runtime import engine_control as protocol
 
 class EngineUnavailable(RuntimeError):
     """The engine (or its control endpoint) did not answer."""
+
+
+class MethodUnsupported(EngineUnavailable):
+    """The engine's plugin has no such method (UNIMPLEMENTED: a plugin older than the executor)."""
 
 
 class EngineRejected(ValueError):
@@ -81,6 +86,7 @@ class EngineControlClient:
         self._set_limits = call(protocol.SET_LIMITS)
         self._list_requests = call(protocol.LIST_REQUESTS)
         self._reset_prefix_cache = call(protocol.RESET_PREFIX_CACHE)
+        self._abort_requests = call(protocol.ABORT_REQUESTS)
 
     async def __aenter__(self) -> EngineControlClient:
         return self
@@ -99,6 +105,8 @@ class EngineControlClient:
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise EngineRejected(error.details() or "rejected") from error
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise MethodUnsupported(f"engine control {self.address}: {error.details()}") from error
             raise EngineUnavailable(f"engine control {self.address}: {error.code().name} {error.details()}") from error
 
     async def state(self) -> EngineSnapshot:
@@ -118,6 +126,13 @@ class EngineControlClient:
             raise EngineUnavailable(f"prefix cache not reset: {reply.get('reason') or 'refused'}")
         return ""
 
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        """End the requests' streams (finish reason "abort"); the ids the engine ended."""
+        if not request_ids:
+            return []
+        reply = await self._call(self._abort_requests, {"request_ids": request_ids})
+        return [str(i) for i in reply.get("aborted", [])]
+
     async def in_flight(self) -> list[InFlightRequest]:
         reply = await self._call(self._list_requests, {})
         return [
@@ -132,7 +147,8 @@ class EngineControlClient:
 
 
 class VllmEngineClient:
-    """vLLM's own gRPC API (smg `VllmEngine`): Abort (the OpenAI server has no abort; a client's disconnect is one)."""
+    """vLLM's own gRPC API (smg `VllmEngine`): Abort, for an engine whose plugin predates AbortRequests (the
+    OpenAI server has no abort call: a client's disconnect is its only one)."""
 
     def __init__(self, address: str, timeout_s: float = 10.0) -> None:
         self.address = address
