@@ -180,6 +180,12 @@ def test_an_undo_rolled_back_latches_its_rule_again_and_doubles_its_hold(clock: 
     assert feed.moves[-1][0] - rolled_back >= 40.0
 
 
+def default_policy_with(rule: str) -> str:
+    """The default policy's text with `rule` (a YAML list item) among its rules."""
+    marker = "  - name: fragmentation-cap-prefill"
+    return DEFAULT_POLICY.read_text().replace(marker, rule.lstrip("\n") + "\n" + marker)
+
+
 KV_CAP_RULE = """
   - name: kv-usage-cap-running
     description: The KV cache is more than 92% used; cap the running requests.
@@ -199,8 +205,7 @@ def test_an_undo_lifts_a_running_cap_only_as_far_as_the_kv_cache_has_room(clock:
     # cap under the same load refills the cache (a preemption storm, rolled back). The undo waits while the
     # cache has no room for more requests of the recent size, lifts the cap part way when requests shrink,
     # and restores in full once the cap holds nothing back.
-    marker = "  - name: fragmentation-cap-prefill"
-    text = DEFAULT_POLICY.read_text().replace(marker, KV_CAP_RULE.lstrip("\n") + "\n" + marker)
+    text = default_policy_with(KV_CAP_RULE)
     engine = DecisionEngine(parse_policy(re.sub(r"  clear_hold_s: \d+", "  clear_hold_s: 20", text)), clock)
     moves: list[tuple[float, dict[str, object]]] = []
     t = 0.0
@@ -265,9 +270,7 @@ def test_a_kv_room_rule_caps_at_what_the_cache_holds_not_at_a_share_of_what_runs
     # Seen in make demo (2026-12-07): a cap of 0.75 x running, fired early in the ramp with 3 running, set 2 of
     # 16, and P0's own load was more than the engine served at 2. Sized from the cache, a cap comes only when
     # the cache cannot hold the live cap's requests, and holds as many as it can.
-    marker = "  - name: fragmentation-cap-prefill"
-    text = DEFAULT_POLICY.read_text().replace(marker, KV_ROOM_RULE.lstrip("\n") + "\n" + marker)
-    policy = parse_policy(text)
+    policy = parse_policy(default_policy_with(KV_ROOM_RULE))
 
     def feed(engine: DecisionEngine, seconds: float, usage: float, running: int, plugin: bool = True) -> list[object]:
         moves: list[object] = []
@@ -298,9 +301,8 @@ def test_a_kv_room_rule_caps_at_what_the_cache_holds_not_at_a_share_of_what_runs
 
 def test_fit_kv_room_needs_its_condition() -> None:
     rule = KV_ROOM_RULE.replace("kv_room_below_running_cap: true", "kv_usage_above: 0.9")
-    marker = "  - name: fragmentation-cap-prefill"
     with pytest.raises(PolicyError, match="fit_kv_room"):
-        parse_policy(DEFAULT_POLICY.read_text().replace(marker, rule.lstrip("\n") + "\n" + marker))
+        parse_policy(default_policy_with(rule))
 
 
 def test_a_hold_above_its_bound_is_refused() -> None:
