@@ -195,9 +195,9 @@ class Conditions(_Strict):
     # controller.no_loosen_after_oom_s of an OOM: raising the budget loosens).
     step_headroom_below: float | None = Field(default=None, gt=0.0, le=100.0)
     step_headroom_above: float | None = Field(default=None, gt=0.0, le=100.0)
-    # The KV cache holds fewer running requests than the engine's live running cap, at the largest share of it
-    # one running request took over the forecast window (within defaults.undo_kv_fraction of the cache); read
-    # from the SITS plugin's samples, so never true without it.
+    # The KV cache holds fewer running requests than the engine's live running cap, at the mean share of it one
+    # running request took over the forecast window (within defaults.undo_kv_fraction of the cache); the live
+    # cap comes from the SITS plugin's samples, so never true without it.
     kv_room_below_running_cap: bool = False
 
     @field_validator("root_cause_in")
