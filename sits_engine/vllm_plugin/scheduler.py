@@ -97,7 +97,9 @@ from sits.runtime.engine_control import LimitError
 from sits_engine.vllm_plugin.environment import ENGINE_CONTROL_ADDR, ENGINE_EMPTY_CACHE_AT_START
 from sits_engine.vllm_plugin.tier_stats import TierStats
 
-logger = logging.getLogger("sits.scheduler")
+# Under vLLM's logger: vLLM configures only "vllm" (handler, format, VLLM_LOGGING_LEVEL), and a logger outside
+# it wrote nothing to the engine's log below WARNING.
+logger = logging.getLogger("vllm.sits.scheduler")
 
 _PAUSED_IDLE_WAIT_S = 0.01
 _APPLY_WAIT_S = 2.0

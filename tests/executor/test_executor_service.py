@@ -308,6 +308,9 @@ async def test_a_tier_budget_drains_its_backlog_through_the_plugin_without_vllms
             ended = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
             assert [(o.finish_reason, o.tokens) for o in ended] == [("abort", []), ("abort", [])]
             assert await control.in_flight() == []
+            # The plugin says so in the engine's log.
+            ended_in_log = lambda log: "SITS abort: ended p2-wait-" in log  # noqa: E731
+            await polled_until(lambda: asyncio.to_thread(engine.log_path.read_text), ended_in_log, 10, 0.2)
         finally:
             await control.set_limits({"admission_paused": False})
             await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=60)
