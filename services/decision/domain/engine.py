@@ -181,6 +181,8 @@ class DecisionEngine:
         self._sample_rules = tuple(r for r in spec.rules if not r.when.on_oom)
         self._oom_rules = tuple(r for r in spec.rules if r.when.on_oom)
         self._needs_root_cause = any(r.when.root_cause_in for r in spec.rules)
+        # The KV room is read over the forecast window, every sample: only for a policy whose rules ask for it.
+        self._needs_kv_room = any(r.when.kv_room_below_running_cap for r in spec.rules)
         names = {r.name for r in spec.rules}
         for state in self._states.values():
             for name in [n for n in state.latched if n not in names]:
@@ -433,7 +435,7 @@ class DecisionEngine:
             self._policy.spec.tiers.of(state.target.engine),
             step=self._step_memory(state),
             after_oom=t < state.last_oom_t + self._policy.spec.controller.no_loosen_after_oom_s,
-            kv_room=self._kv_room_now(state, t),
+            kv_room=self._kv_room_now(state, t) if self._needs_kv_room else None,
             running_cap=latest.running_cap if latest is not None and latest.running_cap > 0 else None,
         )
         commands: list[PlannedCommand] = []
