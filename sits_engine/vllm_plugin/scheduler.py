@@ -222,11 +222,12 @@ class SitsScheduler(Scheduler):
     def _abort_locked(self) -> None:
         asked, self._abort_asked = self._abort_asked, set()
         ids = [r.request_id for r in self.requests.values() if external_request_id(r.request_id) in asked]
-        for request in self.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
+        finished = self.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for request in finished:
             self._abort_outputs.append((request.request_id, int(request.client_index)))
             self._aborted.append(external_request_id(request.request_id))
         self._abort_done_seq = self._abort_asked_seq
-        logger.info("SITS abort: %d asked, %d finished as aborted", len(asked), len(self._abort_outputs))
+        logger.info("SITS abort: %d asked, %d finished as aborted", len(asked), len(finished))
         self._applied.notify_all()
 
     def _record_first_scheduled(self, output: SchedulerOutput) -> None:
