@@ -277,11 +277,16 @@ async def run_variant(
         timeline.restart_clock()
         loaded_windows: list[tuple[float, float]] = []
         names = [f"{p}_unloaded" for p in paths] + [f"{p}_loaded" for p in paths]
+
+        def p0_samples(name: str) -> int:
+            """The phase's P0 samples so far, earlier runs' (`tally`) and this one's."""
+            return len(tally.raw[name].get("p0", [])) + len(raw[name].get("p0", []))
+
         rounds = 0
         while rounds < args.max_rounds:
             # A phase with enough P0 samples sits the later rounds out: the slowest phase (P0 loaded without
             # SITS) needs five times the others' time, and the device machine gives ten minutes a call.
-            short = [n for n in names if len(tally.raw[n].get("p0", [])) + len(raw[n].get("p0", [])) < args.p0_samples]
+            short = [n for n in names if p0_samples(n) < args.p0_samples]
             if not short:
                 break
             if rounds and time.monotonic() + len(short) * (args.seconds + 1) > deadline:
@@ -295,7 +300,7 @@ async def run_variant(
                 pool(raw[name], await phase(paths[path_name].address, clients, args.seconds, load))
                 if name == "with_loaded":
                     loaded_windows.append((began, time.time() - timeline.started))
-            least = min(len(tally.raw[k].get("p0", [])) + len(raw[k].get("p0", [])) for k in names)
+            least = min(p0_samples(n) for n in names)
             print(f"round {rounds}: fewest P0 samples in a phase {least}", flush=True)
         await asyncio.sleep(20.0)  # the last actions' settle windows end; their verdicts arrive
         await close_channels()
