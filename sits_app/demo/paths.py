@@ -29,7 +29,7 @@ import yaml
 from services.decision.domain.kv_model import known_model
 from sits.runtime.procs import ManagedProcess, free_port
 from sits_app.stack.embedded import EmbeddedStack, StackConfig
-from sits_app.stack.vllm_engine import VllmOpenAIServer, VllmServer
+from sits_app.stack.vllm_engine import CPU_QUEUE_POLL_S, VllmOpenAIServer, VllmServer
 from sits_mesh.envoy_process import EnvoyProcess
 from sits_mesh.policy import MeshPolicy, load_policy
 
@@ -77,6 +77,7 @@ class EngineShape:
             cpus=self.cpus,
             # Two engines start at once; one pinned to a single CPU of a busy host took over 180 s.
             startup_timeout_s=600.0 if self.cpus else 300.0,
+            queue_poll_s=0.0 if self.gpu_memory_utilization else CPU_QUEUE_POLL_S,
         )
 
 

@@ -35,12 +35,15 @@ from typing import Any
 import grpc
 
 from sits.runtime.procs import astop_group, free_port
+from sits_engine.vllm_plugin.environment import ENGINE_CONTROL_ADDR, ENGINE_QUEUE_POLL_S
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_CACHE = REPO_ROOT / ".cache" / "sits-random-llama"
 SITS_SCHEDULER_CLS = "sits_engine.vllm_plugin.scheduler.SitsScheduler"
 SITS_GRPC_LAUNCHER = "sits_engine.vllm_plugin.grpc_launcher"
-CONTROL_ADDR_ENV = "SITS_ENGINE_CONTROL_ADDR"
+# A busy CPU engine's processes sleep this long between checks of their queue rather than spin on a core
+# the host's other processes need (sits_engine/vllm_plugin/queue_wait.py): a CPU step takes tens of ms.
+CPU_QUEUE_POLL_S = 0.0005
 
 # The shape FACTS.md verified on the CPU build; changing it invalidates the cache.
 _MODEL_SHAPE: dict[str, Any] = {
@@ -134,6 +137,7 @@ class VllmServer:
         log_path: Path | None = None,
         startup_timeout_s: float = 180.0,
         cpus: int = 0,
+        queue_poll_s: float = CPU_QUEUE_POLL_S,
     ) -> None:
         self.model_dir = model_dir
         self.port = port or free_port()
@@ -148,6 +152,9 @@ class VllmServer:
         self.startup_timeout_s = startup_timeout_s
         # Confine the whole engine (API server, EngineCore, worker) to this many CPUs; 0: no confinement.
         self.cpus = cpus
+        # SITS_ENGINE_QUEUE_POLL_S for the engine's processes (sits_engine/vllm_plugin/queue_wait.py); 0: vLLM's
+        # spin, for a GPU host's engine, which has cores to spare. The caller's environment, where set, wins.
+        self.queue_poll_s = queue_poll_s
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -202,8 +209,9 @@ class VllmServer:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        env.setdefault(ENGINE_QUEUE_POLL_S, f"{self.queue_poll_s:g}")
         if self.control_address:
-            env[CONTROL_ADDR_ENV] = self.control_address
+            env[ENGINE_CONTROL_ADDR] = self.control_address
         return env
 
     async def __aenter__(self) -> VllmServer:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 ENGINE_CONTROL_ADDR = "SITS_ENGINE_CONTROL_ADDR"
 ENGINE_EMPTY_CACHE_AT_START = "SITS_ENGINE_EMPTY_CACHE_AT_START"
+ENGINE_QUEUE_POLL_S = "SITS_ENGINE_QUEUE_POLL_S"
 
 # (variable, default, meaning)
 ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
@@ -18,5 +19,11 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
         ENGINE_EMPTY_CACHE_AT_START,
         "",
         "1 or true: the scheduler plugin empties the CUDA allocator's cache vLLM's warm-up left, when it starts.",
+    ),
+    (
+        ENGINE_QUEUE_POLL_S,
+        "",
+        "Seconds a busy vLLM EngineCore or worker sleeps between checks of its shared-memory queue instead of "
+        "spinning (0 to 0.1; the stack sets 0.0005 for CPU engines, which share their cores). Empty or 0: spin.",
     ),
 )
