@@ -24,6 +24,6 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
         ENGINE_QUEUE_POLL_S,
         "",
         "Seconds a busy vLLM EngineCore or worker sleeps between checks of its shared-memory queue instead of "
-        "spinning (0 to 0.1; the stack sets 0.0005 for CPU engines, which share their cores). Empty or 0: spin.",
+        "spinning (0 to 0.1; the stack sets 0.0001 for CPU engines, which share their cores). Empty or 0: spin.",
     ),
 )

@@ -73,4 +73,4 @@ async def test_the_stack_s_cpu_engine_sleeps_between_checks_in_its_engine_core_a
     lines = [line for line in vllm_engine.log_path.read_text().splitlines() if "SITS: busy engine queue" in line]
     assert any("EngineCore" in line for line in lines), lines
     assert any("Worker" in line for line in lines), lines
-    assert all("0.5 ms" in line for line in lines), lines
+    assert all("0.1 ms" in line for line in lines), lines
