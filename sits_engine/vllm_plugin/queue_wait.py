@@ -5,7 +5,7 @@ the last second spins on it (`SpinCondition.wait`: yield the CPU, check again at
 second without messages sleeps on the writer's notify socket. On a GPU node that costs one host core per
 process, of many. On a CPU engine the EngineCore spins for the whole of every step the worker computes:
 on a two-core host it holds the core the API server, Envoy and the SITS services would run on, and every
-request's latency pays for it (docs/control.md, "On a slower machine").
+request's latency pays for it (docs/control.md, "The engine stops spinning").
 
 SITS_ENGINE_QUEUE_POLL_S makes a busy reader sleep that long between checks instead: each hand-over
 then ends up to that much later, and the core is free meanwhile. The stack sets 0.1 ms: a step of its

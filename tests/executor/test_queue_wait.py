@@ -40,9 +40,6 @@ def test_a_busy_reader_sleeps_between_checks_and_an_idle_one_still_waits_for_the
     # Made before the setting is installed, as the queues a worker opens before vLLM loads its plugins.
     reader = SpinCondition(is_reader=True, context=context, notify_address=address)
     try:
-        # vLLM's own: 200 checks spin through at once, on the CPU.
-        _, spun_wall = cpu_and_wall_s(reader, 200)
-        assert spun_wall < 0.1
         install(0.002, SpinCondition)
         install(0.002, SpinCondition)  # a second load of the plugin wraps vLLM's wait, not its own wrapper
         assert not hasattr(SpinCondition.wait.__wrapped__, "__wrapped__")
