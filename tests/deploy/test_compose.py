@@ -34,6 +34,7 @@ PLUGIN_SOURCES = (
     REPO / "sits_engine/oom_hook/hook.py",
     REPO / "sits_engine/oom_hook/plugin.py",
     REPO / "sits_engine/vllm_plugin/scheduler.py",
+    REPO / "sits_engine/vllm_plugin/environment.py",
     REPO / "sits_app/stack/vllm_engine.py",
 )
 _DEFAULTED = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*:-([^}]*)\}")
