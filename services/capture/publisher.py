@@ -16,8 +16,10 @@ pressure also travel on a topic of their own (`sits.metrics.urgent.v1`, unless
 `urgent_lane` is off), which consumers handle before anything else: in a fleet
 whose calm samples outrun the decision, the ones heading to OOM do not queue
 behind them. Here too they (and OOM events) go before the calm samples queued
-and before the spool's backlog while the broker answers; the spool keeps order
-within each lane.
+and before the spool's backlog while the broker answers, and each batch of them
+is followed by one of the others, so a steady stream of them (a simulated
+fleet's publisher) does not starve the calm lane; the spool keeps order within
+each lane.
 When the broker fails, the batch in hand and everything after it go
 to the spool, in order; a drain loop retries with backoff and, once the broker
 answers, publishes the spool oldest-first before new events flow directly
@@ -170,7 +172,10 @@ class CapturePublisher:
                     # Ahead of the spool and of calm samples: a publisher behind on those (a slow broker,
                     # a burst) must not hold back what the loop acts on.
                     await self._publish_batch(self._take(self._urgent, self._batch_size))
-                    continue
+                    if not (self.online and (self._spool.pending or self._queue)):
+                        continue
+                    # On to one batch of the spool or of the calm samples: a steady stream of samples under
+                    # pressure (a fleet's worth) must not starve them either.
                 if self.online and self._spool.pending:
                     await self._drain_once()
                     continue
@@ -185,13 +190,15 @@ class CapturePublisher:
                     if not self.online:
                         await self._sleep(self._backoff.next_delay())
                     continue
-                await self._linger(stop)
-                if self._urgent:
-                    # Those first; the wait is over for the calm samples too (`_flush_now` stays set), so a
-                    # target's samples before its pressure are not held back behind it.
+                if not self._queue:  # only urgent ones: they go first, above
                     continue
+                await self._linger(stop)
                 self._flush_now.clear()
-                await self._publish_batch(self._take(self._queue, self._batch_size))
+                # Urgent events that came during the linger lead the batch; the wait is over for the calm
+                # samples too, so a target's samples before its pressure are not held back behind it.
+                await self._publish_batch(
+                    self._take(self._urgent, self._batch_size) + self._take(self._queue, self._batch_size)
+                )
         finally:
             self._to_spool(self._take_all())
             self._spool.sync()

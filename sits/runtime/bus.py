@@ -81,6 +81,11 @@ SIGNED_TYPES = (events_pb2.HealingCommand,)
 
 # How long a revocation waits for the batch in hand before it abandons it (its records come again elsewhere).
 REVOKE_WAIT_S = 10.0
+# A consumer with urgent topics handles the rest of a batch in slices of this many records and, between two,
+# lets the loop run (its producer sends, its fetcher fetches) and handles the urgent records fetched meanwhile:
+# a record heading to OOM then waits behind one slice (tens of ms), not behind a whole batch (up to
+# SITS_CONSUMER_MAX_BATCH records, a second and more on a busy host).
+URGENT_SLICE_RECORDS = 50
 
 
 def partition_of(key: str, partitions: int) -> int:
@@ -400,7 +405,8 @@ class EventConsumer:
         is read again with `ReceivedEvent.replay` set (0 or absent: none). `before_commit`: awaited before
         each commit (a handler that only enqueued what it produces waits for delivery there); when it
         raises, nothing is committed and the consumer goes back to its committed offsets. `urgent_topics`
-        (among `topics`): their fetched records are handled before any other, in every round."""
+        (among `topics`): their fetched records are handled before any other, in every round, and between
+        slices of URGENT_SLICE_RECORDS of the others."""
         self._settings = settings
         self._topics = list(topics)
         self._urgent_topics = frozenset(urgent_topics) & set(self._topics)
@@ -435,6 +441,21 @@ class EventConsumer:
             partition_assignment_strategy=(RangePartitionAssignor,),
         )
         self._consumer.subscribe(self._topics, listener=_Listener(self))
+        # The urgent topics' partitions this member owns are read by a consumer of their own (no group: the
+        # group consumer keeps them, paused, for ownership and commits). Its fetches carry only them: fetched
+        # with the calm topics, an urgent record waited for the group consumer's next fetch, which aiokafka holds
+        # back while fetched calm records are still unread, up to a second behind a backlog here.
+        self._urgent_reader: AIOKafkaConsumer | None = (
+            AIOKafkaConsumer(
+                **kafka_client_options(settings),
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                max_poll_records=settings.consumer_max_batch,
+                fetch_max_wait_ms=settings.consumer_fetch_max_wait_ms,
+            )
+            if self._urgent_topics
+            else None
+        )
         self._started = False
         self._metric_children: dict[tuple[int, tuple[str, ...]], Any] = {}
         # Per partition: the write time (ms) of the record the consumer stopped at: the last one of
@@ -444,6 +465,8 @@ class EventConsumer:
 
     async def start(self) -> None:
         if not self._started:
+            if self._urgent_reader is not None:
+                await self._urgent_reader.start()
             await self._consumer.start()
             self._started = True
 
@@ -453,6 +476,9 @@ class EventConsumer:
             await self._flush_commits()
             with contextlib.suppress(KafkaError):
                 await self._consumer.stop()
+            if self._urgent_reader is not None:
+                with contextlib.suppress(KafkaError):
+                    await self._urgent_reader.stop()
 
     def assignment(self) -> set[TopicPartition]:
         """The partitions this member owns now."""
@@ -483,14 +509,10 @@ class EventConsumer:
         await self.start()
         max_batch = self._settings.consumer_max_batch
         while not stop.is_set():
-            # getmany returns buffered records without yielding: let the fetcher (and the rest of the service)
+            # getmany returns buffered records without yielding: let the fetchers (and the rest of the service)
             # run between rounds, or urgent records would wait until the buffers ran dry.
             await asyncio.sleep(0)
-            urgent = [tp for tp in self._consumer.assignment() if tp.topic in self._urgent_topics]
-            if urgent:
-                # Fetched already and waiting behind a backlog of calm samples: handled first, without waiting.
-                await self._handle_batches(await self._consumer.getmany(*urgent, timeout_ms=0, max_records=max_batch))
-            await self._handle_batches(await self._consumer.getmany(timeout_ms=200, max_records=max_batch))
+            await self._handle_batches(await self._next_batches(max_batch))
             await self._export_lag()
         async with self._handling:
             await self._flush_commits()
@@ -500,10 +522,76 @@ class EventConsumer:
             owned = self._consumer.assignment()
             ordered = sorted(batches.items(), key=lambda item: item[0].topic not in self._urgent_topics)
             for tp, records in ordered:
-                if tp in owned:  # fetched before a revocation: the new owner reads these again
+                if tp not in owned:  # fetched before a revocation: the new owner reads these again
+                    continue
+                if not self._urgent_topics or tp.topic in self._urgent_topics:
                     await self._handle_partition(tp, records)
+                    continue
+                for start in range(0, len(records), URGENT_SLICE_RECORDS):
+                    if start:
+                        await self._handle_urgent_fetched()
+                    if not await self._handle_partition(tp, records[start : start + URGENT_SLICE_RECORDS]):
+                        break  # it failed on a record and went back to it: the rest come again
             if time.monotonic() - self._last_commit >= self._commit_interval_s:
                 await self._flush_commits()
+
+    async def _next_batches(self, max_batch: int) -> Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+        """The urgent records fetched, if any; else whichever of the two consumers has records first."""
+        reader = self._urgent_reader
+        if reader is None or not reader.assignment():
+            fetched: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
+            fetched = await self._consumer.getmany(timeout_ms=200, max_records=max_batch)
+            return fetched
+        urgent: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
+        urgent = await reader.getmany(timeout_ms=0, max_records=max_batch)
+        if urgent:
+            # With what the group consumer has fetched already (handled after them): a steady stream of urgent
+            # records must not starve the rest.
+            fetched = await self._consumer.getmany(timeout_ms=0, max_records=max_batch)
+            return {**urgent, **fetched}
+        # Both wait: an urgent record must not sit out a quiet calm lane's 200 ms. A getmany cancelled while it
+        # waits has taken no records (it takes them in the step that returns).
+        waits = [
+            asyncio.ensure_future(reader.getmany(timeout_ms=200, max_records=max_batch)),
+            asyncio.ensure_future(self._consumer.getmany(timeout_ms=200, max_records=max_batch)),
+        ]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        out: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = {}
+        for wait in waits:
+            if wait.done():
+                out.update(wait.result())
+            else:
+                wait.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await wait
+        return out
+
+    async def _handle_urgent_fetched(self) -> None:
+        """Between two slices of other records: let the loop run, then handle the urgent records it fetched."""
+        await asyncio.sleep(0)
+        reader = self._urgent_reader
+        if reader is None or not reader.assignment():
+            return
+        fetched = await reader.getmany(timeout_ms=0, max_records=self._settings.consumer_max_batch)
+        owned = self._consumer.assignment()
+        for tp, records in fetched.items():
+            if tp in owned:
+                await self._handle_partition(tp, records)
+
+    def _reader_of(self, tp: TopicPartition) -> AIOKafkaConsumer:
+        """The consumer that fetches `tp`: the urgent reader for an urgent topic's partition, else the group's."""
+        if self._urgent_reader is not None and tp.topic in self._urgent_topics:
+            return self._urgent_reader
+        return self._consumer
+
+    async def _rewind_to_committed(self, tps: Sequence[TopicPartition]) -> None:
+        for tp in tps:
+            committed = await self._consumer.committed(tp)
+            reader = self._reader_of(tp)
+            if committed is None:
+                await reader.seek_to_beginning(tp)
+            else:
+                reader.seek(tp, committed)
 
     async def _revoked(self, revoked: set[TopicPartition]) -> None:
         """Finish the batch in hand (or give up on it after REVOKE_WAIT_S), commit what was handled."""
@@ -520,12 +608,19 @@ class EventConsumer:
         for tp in revoked:
             self._uncommitted.pop(tp, None)
             self._replay_until.pop(tp, None)
+        if self._urgent_reader is not None:
+            self._urgent_reader.assign([tp for tp in self._urgent_reader.assignment() if tp not in revoked])
         if self._on_revoked is not None:
             await self._on_revoked(revoked)
 
     async def _assigned(self, assigned: set[TopicPartition]) -> None:
         if self._on_assigned is not None:
             await self._on_assigned(assigned)
+        if self._urgent_reader is not None:
+            urgent = [tp for tp in self._consumer.assignment() if tp.topic in self._urgent_topics]
+            self._consumer.pause(*urgent)
+            self._urgent_reader.assign(urgent)
+            await self._rewind_to_committed(urgent)
         for tp in assigned:
             depth = self._replay.get(tp.topic, 0)
             if depth <= 0:
@@ -533,9 +628,10 @@ class EventConsumer:
             committed = await self._consumer.committed(tp)
             if committed:
                 self._replay_until[tp] = committed
-                self._consumer.seek(tp, max(0, committed - depth))
+                self._reader_of(tp).seek(tp, max(0, committed - depth))
 
-    async def _handle_partition(self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]]) -> None:
+    async def _handle_partition(self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]]) -> bool:
+        """Handle `records` of `tp` in order; False when the handler failed on one (the consumer seeks back to it)."""
         decoded: list[tuple[ConsumerRecord[bytes, bytes], Message]] = []
         replay_until = self._replay_until.get(tp)
         for record in records:
@@ -573,12 +669,13 @@ class EventConsumer:
                 self._reached_ms[tp] = record.timestamp
                 self._uncommitted[tp] = record.offset
                 await self._flush_commits({tp})
-                self._consumer.seek(tp, record.offset)
+                self._reader_of(tp).seek(tp, record.offset)
                 await asyncio.sleep(self._retry_backoff_s)
-                return
+                return False
         if records:
             self._reached_ms[tp] = records[-1].timestamp
             self._uncommitted[tp] = records[-1].offset + 1
+        return True
 
     @staticmethod
     def _received(record: ConsumerRecord[bytes, bytes], message: Message, **extra: Any) -> ReceivedEvent:
@@ -703,7 +800,7 @@ class EventConsumer:
                 for tp in offsets:
                     self._uncommitted.pop(tp, None)
                 with contextlib.suppress(KafkaError, AssertionError):
-                    await self._consumer.seek_to_committed(*[tp for tp in offsets if tp in self._consumer.assignment()])
+                    await self._rewind_to_committed([tp for tp in offsets if tp in self._consumer.assignment()])
                 return
         try:
             await self._consumer.commit(offsets)
@@ -717,10 +814,13 @@ class EventConsumer:
     async def _export_lag(self) -> None:
         partitions = []
         for tp in self._consumer.assignment():
-            highwater = self._consumer.highwater(tp)
+            reader = self._reader_of(tp)
+            if tp not in reader.assignment():
+                continue
+            highwater = reader.highwater(tp)
             if highwater is None:
                 continue
-            position = await self._consumer.position(tp)
+            position = await reader.position(tp)
             partitions.append(PartitionLag(tp.topic, max(0, highwater - position), self._reached_ms.get(tp)))
         for topic, (records, seconds) in lag_by_topic(partitions, time.time()).items():
             metrics.CONSUMER_LAG.labels(topic=topic, group=self._group_id).set(records)

@@ -6,7 +6,8 @@ without SITS, several of which run out of memory), started at its own offset int
 does not move in lockstep, and looped. Every tick (1/hz s) each target's sample at its current trace time is
 stamped with the wall clock, a sequence number and an event id, and handed to `CapturePublisher.submit`,
 exactly as a capture source hands its samples: the publisher packs, publishes, spools and retries as it does
-in the capture service. A tick that cannot keep up is not made up for: the achieved rate is reported.
+in the capture service. Hosts are sampled in groups spread over the tick, as unsynchronised hosts would be. A
+tick that cannot keep up is not made up for: the achieved rate is reported.
 
 Frames are built once per trace (at the simulation rate) and copied per target, so a sample costs the
 simulator a protobuf copy and three fields, not a conversion from JSON.
@@ -30,6 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 TRACE_DIRS = (REPO / "traces" / "h200", REPO / "traces" / "h200_vllm")
 # A trace that never runs out of memory and stays under this is a calm GPU's; the rest are incidents.
 CALM_PEAK = 0.9
+# Hosts sampled together at one point of the period (32 hosts of 8 GPUs: 256 samples).
+HOSTS_PER_SLICE = 32
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class Fleet:
         incidents = [t for t in traces if t not in calm]
         rng = random.Random(seed)
         self.hz = hz
+        self._per_host = gpus_per_host
         self.targets: list[SimTarget] = []
         for i in range(targets):
             pool = incidents if (not calm or (incidents and rng.random() < incident_fraction)) else calm
@@ -127,9 +131,13 @@ class Fleet:
     def in_incident(self) -> int:
         return sum(1 for t in self.targets if t.trace.heads_to_oom or t.trace.peak_fraction >= CALM_PEAK)
 
-    def tick(self, publisher: CapturePublisher, step: int, now: float) -> None:
+    def tick(self, publisher: CapturePublisher, step: int, now: float, hosts: range | None = None) -> None:
+        """Submit the samples of step `step` of every target (or of the targets on `hosts`), stamped `now`."""
         stamp = int(now * 1e9)
-        for sim in self.targets:
+        chosen = (
+            self.targets if hosts is None else self.targets[hosts.start * self._per_host : hosts.stop * self._per_host]
+        )
+        for sim in chosen:
             frames = sim.trace.frames
             sample = events_pb2.MetricSample()
             sample.CopyFrom(frames[(sim.offset + step) % len(frames)])
@@ -141,7 +149,16 @@ class Fleet:
             meta.target.CopyFrom(sim.target)
             meta.produced_at.FromNanoseconds(stamp)
             publisher.submit(sample)
-        self.stats.submitted += len(self.targets)
+        self.stats.submitted += len(chosen)
+
+    def host_groups(self) -> list[range]:
+        """The hosts in groups of at most HOSTS_PER_SLICE, each sampled at its own point of the period.
+
+        Real hosts are not in step, and one process submitting thousands of samples at once would hold its
+        event loop (and every other task on it, the publisher included) for that long.
+        """
+        hosts = -(-len(self.targets) // self._per_host)
+        return [range(h, min(hosts, h + HOSTS_PER_SLICE)) for h in range(0, hosts, HOSTS_PER_SLICE)]
 
     async def run(self, publisher: CapturePublisher, stop: asyncio.Event) -> None:
         period = 1.0 / self.hz
@@ -152,9 +169,18 @@ class Fleet:
             self.stats.stopped_at = time.monotonic()
 
     async def _run(self, publisher: CapturePublisher, stop: asyncio.Event, start: float, period: float) -> None:
+        groups = self.host_groups()
         step = 0
         while not stop.is_set():
-            self.tick(publisher, step, time.time())
+            for i, hosts in enumerate(groups):
+                phase = start + (step + i / len(groups)) * period - time.monotonic()
+                if phase > 0:
+                    await asyncio.sleep(phase)
+                elif i:
+                    await asyncio.sleep(0)
+                if stop.is_set():
+                    return
+                self.tick(publisher, step, time.time(), hosts)
             self.stats.ticks += 1
             step += 1
             delay = start + step * period - time.monotonic()

@@ -173,6 +173,33 @@ async def test_urgent_events_go_before_the_calm_samples_queued_ahead_of_them(
     assert set(order[2:]) == {topics.metrics}
 
 
+async def test_a_steady_stream_of_urgent_samples_does_not_starve_the_calm_ones(
+    settings: Settings, topics: Topics, tmp_path: Path
+) -> None:
+    order: list[str] = []
+    publishers: list[CapturePublisher] = []
+
+    class Recording(TopicEnsuringProducer):
+        async def enqueue(self, topic: str, message: Message, *, traced: bool = True) -> asyncio.Future[Any]:
+            order.append(topic)
+            if topic == topics.metrics_urgent and len(order) < 200:
+                # Each one sent brings the next: the urgent queue is never empty when the publisher looks (a
+                # simulated fleet's publisher, hundreds of GPUs under pressure).
+                publishers[0].submit(pressed_sample(10_000 + len(order), gpu="GPU-hot"))
+            return await super().enqueue(topic, message, traced=traced)
+
+    publisher = CapturePublisher(lambda: Recording(settings), Spool(tmp_path / "spool"), topics)
+    publishers.append(publisher)
+    for i in range(10):
+        publisher.submit(sample(i))
+    publisher.submit(pressed_sample(5000, gpu="GPU-hot"))
+    async with publishing(publisher):
+        await wait_for(lambda: topics.metrics in order)
+    # The calm samples went out right after the first urgent batch, while the stream still flowed.
+    assert order.index(topics.metrics) < 5, order[:10]
+    assert order[0] == topics.metrics_urgent
+
+
 async def test_a_batch_is_traced_when_one_of_its_samples_is_under_pressure(
     settings: Settings, topics: Topics, tmp_path: Path
 ) -> None:

@@ -240,11 +240,13 @@ async def test_lagging_consumer_coalesces_samples_per_target(settings: Settings,
     assert consumer.stats.handled < 100
 
 
-async def urgent_record_wait(settings: Settings, topics: Topics, urgent_topics: list[str]) -> tuple[int, int]:
+async def urgent_record_wait(
+    settings: Settings, topics: Topics, urgent_topics: list[str], max_batch: int = 200
+) -> tuple[int, int]:
     """Calm samples handled between the moment a sample under pressure is published (the consumer holding a
     backlog of calm ones) and the moment it is handled; and how many calm samples there were."""
     backlog = 12_000
-    settings = settings.model_copy(update={"consumer_max_batch": 200})
+    settings = settings.model_copy(update={"consumer_max_batch": max_batch})
     async with EventProducer(settings) as producer:
         # One target per sample: none coalesce, so every calm record costs a handler call.
         futures = [
@@ -292,6 +294,16 @@ async def test_an_urgent_record_is_handled_before_the_backlog_already_fetched(
     # lane it is handled after all of them (checked below). With it, after what the consumer handles while
     # aiokafka holds back the next fetch (its prefetch backoff, 100 ms) and the broker answers.
     assert waited < backlog // 4, (waited, backlog)
+
+
+async def test_an_urgent_record_waits_a_slice_of_the_batch_in_hand_not_the_whole_batch(
+    settings: Settings, topics: Topics
+) -> None:
+    await ensure_topics(settings)
+    # The sample under pressure is published while the consumer is 500 records into a batch of 5,000: before
+    # slices and the urgent reader, it was handled after the other 4,500 at least.
+    waited, _ = await urgent_record_wait(settings, topics, topics.urgent, max_batch=5_000)
+    assert waited < 1_500, waited
 
 
 async def test_without_urgent_topics_a_record_waits_behind_the_fetched_backlog(
