@@ -184,58 +184,52 @@ def probe_sample(target: common_pb2.Target, fraction: float, sequence: int) -> e
     return sample
 
 
-def probe_host_main(
-    settings: Any,
-    prefix: str,
-    engines: list[str],
-    warm_s: float,
-    measure_s: float,
-    urgent_lane: bool,
-    run_dir: Path,
-    conn: Connection,
-) -> None:
-    """The probes' host (a process): 20 calm samples per probe over `warm_s`, then "warm" to the parent, then
-    each probe's jump to PROBE_FRACTION spread over `measure_s`; sends back when each was made and acknowledged."""
-    asyncio.run(_probe_host(settings, prefix, engines, warm_s, measure_s, urgent_lane, run_dir, conn))
+@dataclass(frozen=True)
+class ProbeHost:
+    """The probes' host, run as a process of its own (`probe_host_main`)."""
+
+    settings: Any
+    prefix: str
+    engines: list[str]
+    warm_s: float
+    measure_s: float
+    urgent_lane: bool
+    run_dir: Path
+
+    async def run(self, conn: Connection) -> None:
+        """20 calm samples per probe over `warm_s`, then "warm" to the parent, then each probe's jump to
+        PROBE_FRACTION spread over `measure_s`; sends back when each was made and acknowledged."""
+        # A host of its own: not at the simulator's lower priority (it inherits it).
+        with contextlib.suppress(PermissionError):
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+        topics = Topics(self.prefix)
+        recorder = Recorder(self.settings, topics.samples)
+        publisher = CapturePublisher(
+            recorder.factory, Spool(self.run_dir / "probe-spool", fsync="never"), topics, urgent_lane=self.urgent_lane
+        )
+        probes = [common_pb2.Target(host=PROBE_HOST, gpu_uuid=f"GPU-{e}", engine=e) for e in self.engines]
+        stop = asyncio.Event()
+        pub = asyncio.create_task(publisher.run(stop))
+        for seq in range(1, 21):  # calm history for every probe, then the fleet settles in (group joins)
+            for p in probes:
+                publisher.submit(probe_sample(p, 0.5, seq))
+            await asyncio.sleep(self.warm_s / 20)
+        conn.send("warm")
+        start = time.time()
+        probe_at: dict[str, float] = {}
+        for i, p in enumerate(probes):
+            sample = probe_sample(p, PROBE_FRACTION, PROBE_SEQUENCE)
+            probe_at[p.engine] = seconds(sample.meta.produced_at)
+            publisher.submit(sample)
+            await asyncio.sleep(max(0.0, start + (i + 1) * self.measure_s / len(probes) - time.time()))
+        await asyncio.sleep(1.0)  # the last one's acknowledgement
+        stop.set()
+        await pub
+        conn.send((probe_at, recorder.probe_acked))
 
 
-async def _probe_host(
-    settings: Any,
-    prefix: str,
-    engines: list[str],
-    warm_s: float,
-    measure_s: float,
-    urgent_lane: bool,
-    run_dir: Path,
-    conn: Connection,
-) -> None:
-    # A host of its own: not at the simulator's lower priority (it inherits it).
-    with contextlib.suppress(PermissionError):
-        os.setpriority(os.PRIO_PROCESS, 0, 0)
-    topics = Topics(prefix)
-    recorder = Recorder(settings, topics.samples)
-    publisher = CapturePublisher(
-        recorder.factory, Spool(run_dir / "probe-spool", fsync="never"), topics, urgent_lane=urgent_lane
-    )
-    probes = [common_pb2.Target(host=PROBE_HOST, gpu_uuid=f"GPU-{engine}", engine=engine) for engine in engines]
-    stop = asyncio.Event()
-    pub = asyncio.create_task(publisher.run(stop))
-    for seq in range(1, 21):  # calm history for every probe, then the fleet settles in (group joins)
-        for p in probes:
-            publisher.submit(probe_sample(p, 0.5, seq))
-        await asyncio.sleep(warm_s / 20)
-    conn.send("warm")
-    start = time.time()
-    probe_at: dict[str, float] = {}
-    for i, p in enumerate(probes):
-        sample = probe_sample(p, PROBE_FRACTION, PROBE_SEQUENCE)
-        probe_at[p.engine] = seconds(sample.meta.produced_at)
-        publisher.submit(sample)
-        await asyncio.sleep(max(0.0, start + (i + 1) * measure_s / len(probes) - time.time()))
-    await asyncio.sleep(1.0)  # the last one's acknowledgement
-    stop.set()
-    await pub
-    conn.send((probe_at, recorder.probe_acked))
+def probe_host_main(host: ProbeHost, conn: Connection) -> None:
+    asyncio.run(host.run(conn))
 
 
 async def one_run(
@@ -302,13 +296,7 @@ async def one_run(
         probe_host = multiprocessing.get_context("spawn").Process(
             target=probe_host_main,
             args=(
-                stack.settings,
-                prefix,
-                [p.engine for p in probes],
-                warm_s,
-                measure_s,
-                urgent_lane,
-                run_dir,
+                ProbeHost(stack.settings, prefix, [p.engine for p in probes], warm_s, measure_s, urgent_lane, run_dir),
                 child_end,
             ),
         )
