@@ -526,12 +526,8 @@ class EventConsumer:
                     continue
                 if not self._urgent_topics or tp.topic in self._urgent_topics:
                     await self._handle_partition(tp, records)
-                    continue
-                for start in range(0, len(records), URGENT_SLICE_RECORDS):
-                    if start:
-                        await self._handle_urgent_fetched()
-                    if not await self._handle_partition(tp, records[start : start + URGENT_SLICE_RECORDS]):
-                        break  # it failed on a record and went back to it: the rest come again
+                else:
+                    await self._handle_partition(tp, records, between_slices=self._handle_urgent_fetched)
             if time.monotonic() - self._last_commit >= self._commit_interval_s:
                 await self._flush_commits()
 
@@ -630,11 +626,26 @@ class EventConsumer:
                 self._replay_until[tp] = committed
                 self._reader_of(tp).seek(tp, max(0, committed - depth))
 
-    async def _handle_partition(self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]]) -> bool:
-        """Handle `records` of `tp` in order; False when the handler failed on one (the consumer seeks back to it)."""
+    async def _handle_partition(
+        self,
+        tp: TopicPartition,
+        records: list[ConsumerRecord[bytes, bytes]],
+        between_slices: Callable[[], Awaitable[None]] | None = None,
+    ) -> bool:
+        """Handle `records` of `tp` in order; False when the handler failed on one (the consumer seeks back to it).
+
+        `between_slices` is awaited every URGENT_SLICE_RECORDS records decoded and events handled: the whole
+        list is still coalesced as one (a target's samples fold across it), but the loop is not held for all of it.
+        """
+
+        async def slice_ends(index: int) -> None:
+            if between_slices is not None and index and index % URGENT_SLICE_RECORDS == 0:
+                await between_slices()
+
         decoded: list[tuple[ConsumerRecord[bytes, bytes], Message]] = []
         replay_until = self._replay_until.get(tp)
-        for record in records:
+        for index, record in enumerate(records):
+            await slice_ends(index)
             if replay_until is not None and record.offset < replay_until:
                 # Dead-lettered already by the previous owner, if it was bad: read it quietly.
                 with contextlib.suppress(EnvelopeError):
@@ -652,7 +663,8 @@ class EventConsumer:
                     with contextlib.suppress(Exception):
                         await self._handler(self._received(record, message, replay=True))
             decoded = [(r, m) for r, m in decoded if r.offset >= replay_until]
-        for record, message, folded in self._coalesced(decoded):
+        for index, (record, message, folded) in enumerate(self._coalesced(decoded)):
+            await slice_ends(index)
             event = self._received(
                 record, message, coalesced=folded, record_key=record.key or b"", record_value=record.value or b""
             )

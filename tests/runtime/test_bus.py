@@ -200,7 +200,11 @@ async def test_batch_records_reach_the_handler_as_samples_in_order(settings: Set
     assert b"MetricBatch sample 1 is for 'h/GPU-1//other'" in dict(letter.headers)[DLQ_REASON_HEADER]
 
 
-async def test_lagging_consumer_coalesces_samples_per_target(settings: Settings, topics: Topics) -> None:
+@pytest.mark.parametrize("with_urgent_lane", [False, True], ids=["one-lane", "urgent-lane"])
+async def test_lagging_consumer_coalesces_samples_per_target(
+    settings: Settings, topics: Topics, with_urgent_lane: bool
+) -> None:
+    # With urgent topics, the rest are handled in slices (URGENT_SLICE_RECORDS) but still coalesced as one batch.
     await ensure_topics(settings)
     async with EventProducer(settings) as producer:
         futures = []
@@ -228,9 +232,10 @@ async def test_lagging_consumer_coalesces_samples_per_target(settings: Settings,
         consumer = EventConsumer(
             settings,
             group_id=f"{topics.prefix}g",
-            topics=[topics.metrics, topics.oom],
+            topics=[*topics.samples, topics.oom] if with_urgent_lane else [topics.metrics, topics.oom],
             handler=handle,
             dead_letters=producer,
+            urgent_topics=topics.urgent if with_urgent_lane else (),
         )
         async with consumer:
             await consume_until(consumer, done)
