@@ -333,13 +333,15 @@ async def one_run(
         if done is not None and window_start <= s.at < window_end:
             committed_in_window += s.samples
     calm_lags, urgent_lags = lags[topics.metrics], lags[topics.metrics_urgent]
-    reactions = []
-    for r in records[topics.results]:
-        m = r.message()
-        if isinstance(m, events_pb2.ActionResult) and m.status == events_pb2.ACTION_STATUS_APPLIED:
-            t0 = probe_at.get(m.meta.target.engine)
-            if t0 is not None:
-                reactions.append(seconds(m.applied_at) - t0)
+    # The probes' APPLIED results: the probe's engine, and its sample's production → applied_at.
+    applied = [
+        (m.meta.target.engine, seconds(m.applied_at) - t0)
+        for r in records[topics.results]
+        if isinstance(m := r.message(), events_pb2.ActionResult)
+        and m.status == events_pb2.ACTION_STATUS_APPLIED
+        and (t0 := probe_at.get(m.meta.target.engine)) is not None
+    ]
+    reactions = [reaction for _, reaction in applied]
     window = window_end - window_start
     decision_cpu = cpu1 - cpu0
     commands = [m for r in records[topics.commands] if isinstance(m := r.message(), events_pb2.HealingCommand)]
@@ -351,14 +353,7 @@ async def one_run(
         t0 = probe_at.get(c.meta.target.engine)
         if t0 is not None and c.HasField("pressure"):
             decided.setdefault(c.meta.target.engine, seconds(c.meta.produced_at) - t0)
-    applied_after_command = [
-        seconds(m.applied_at) - t0 - decided[m.meta.target.engine]
-        for r in records[topics.results]
-        if isinstance(m := r.message(), events_pb2.ActionResult)
-        and m.status == events_pb2.ACTION_STATUS_APPLIED
-        and (t0 := probe_at.get(m.meta.target.engine)) is not None
-        and m.meta.target.engine in decided
-    ]
+    applied_after_command = [reaction - decided[engine] for engine, reaction in applied if engine in decided]
 
     def ms(values: list[float], q: float) -> float | None:
         return round(quantile(values, q) * 1000, 1) if values else None
@@ -374,8 +369,8 @@ async def one_run(
         "decision_lag_p99_ms": round(quantile(calm_lags, 0.99) * 1000, 1),
         # Samples under pressure on their own lane (none without it).
         "urgent_samples": len(urgent_lags),
-        "urgent_lag_p50_ms": round(quantile(urgent_lags, 0.5) * 1000, 1) if urgent_lags else None,
-        "urgent_lag_p99_ms": round(quantile(urgent_lags, 0.99) * 1000, 1) if urgent_lags else None,
+        "urgent_lag_p50_ms": ms(urgent_lags, 0.5),
+        "urgent_lag_p99_ms": ms(urgent_lags, 0.99),
         "decision_cpu_cores": round(decision_cpu / window, 3),
         "cpu_us_per_sample": round(decision_cpu / max(1, committed_in_window) * 1e6, 2),
         "cpu_core_pct_per_1000_targets": round(decision_cpu / window * 100 / (targets / 1000), 2),
@@ -386,8 +381,8 @@ async def one_run(
         "probes": len(probes),
         "probes_applied": len(reactions),
         # None: no probe's action went live before the run ended.
-        "reaction_p50_ms": round(quantile(reactions, 0.5) * 1000, 1) if reactions else None,
-        "reaction_p99_ms": round(quantile(reactions, 0.99) * 1000, 1) if reactions else None,
+        "reaction_p50_ms": ms(reactions, 0.5),
+        "reaction_p99_ms": ms(reactions, 0.99),
         # The reaction's parts: probe sample → broker ack, → the decision's command, command → executor applied.
         "probe_acked_p50_ms": ms(acked, 0.5),
         "probe_acked_p99_ms": ms(acked, 0.99),
