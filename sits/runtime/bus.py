@@ -73,6 +73,8 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer("sits.bus")
 
 Header = tuple[str, bytes]
+# What a consumer's getmany returns: the records fetched, per partition.
+Fetched = dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
 # Partition choices remembered per (topic, key); targets are bounded in practice, this bounds them anyway.
 MAX_CACHED_KEYS = 100_000
 COALESCED_TYPES = frozenset({events_pb2.MetricSample.DESCRIPTOR.full_name})
@@ -517,7 +519,7 @@ class EventConsumer:
         async with self._handling:
             await self._flush_commits()
 
-    async def _handle_batches(self, batches: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]) -> None:
+    async def _handle_batches(self, batches: Fetched) -> None:
         async with self._handling:
             owned = self._consumer.assignment()
             ordered = sorted(batches.items(), key=lambda item: item[0].topic not in self._urgent_topics)
@@ -531,15 +533,13 @@ class EventConsumer:
             if time.monotonic() - self._last_commit >= self._commit_interval_s:
                 await self._flush_commits()
 
-    async def _next_batches(self, max_batch: int) -> Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+    async def _next_batches(self, max_batch: int) -> Fetched:
         """The urgent records fetched, if any; else whichever of the two consumers has records first."""
         reader = self._urgent_reader
         if reader is None or not reader.assignment():
-            fetched: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
-            fetched = await self._consumer.getmany(timeout_ms=200, max_records=max_batch)
+            fetched: Fetched = await self._consumer.getmany(timeout_ms=200, max_records=max_batch)
             return fetched
-        urgent: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
-        urgent = await reader.getmany(timeout_ms=0, max_records=max_batch)
+        urgent: Fetched = await reader.getmany(timeout_ms=0, max_records=max_batch)
         if urgent:
             # With what the group consumer has fetched already (handled after them): a steady stream of urgent
             # records must not starve the rest.
@@ -552,7 +552,7 @@ class EventConsumer:
             asyncio.ensure_future(self._consumer.getmany(timeout_ms=200, max_records=max_batch)),
         ]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        out: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = {}
+        out: Fetched = {}
         for wait in waits:
             if wait.done():
                 out.update(wait.result())
