@@ -37,7 +37,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from bench.common import median, quantile, write_result
 from services.executor.adapters.engine import EngineControlClient, EngineSnapshot
-from services.executor.runner import build_executor, command_handler
+from services.executor.runner import COMMAND_CONSUMER_OPTIONS, build_executor, command_handler
 from services.executor.service import Executor
 from services.executor.settings import EngineEndpoints, ExecutorSettings
 from sits.runtime.bus import EventConsumer, EventProducer, ReceivedEvent, ensure_topics
@@ -175,7 +175,7 @@ async def measure(
         topics=[commands_topic],
         handler=handle_then_mark,
         dead_letters=producer,
-        coalesce=False,
+        **COMMAND_CONSUMER_OPTIONS,
     )
     stop = asyncio.Event()
     runner = asyncio.create_task(consumer.run(stop))

@@ -7,6 +7,7 @@ import asyncio
 
 from services.executor.grpc_api import MUTATING_METHODS, SERVICE_NAME, ExecutorServicer
 from services.executor.runner import (
+    COMMAND_CONSUMER_OPTIONS,
     PartitionOwnership,
     build_executor,
     close_engine_clients,
@@ -34,7 +35,7 @@ async def serve(settings: ExecutorSettings, stop: asyncio.Event | None = None) -
         consumer = await app.consumer(
             [app.topics.commands],
             command_gate(settings, app.redis()).wrap(command_handler(executor)),
-            coalesce=False,
+            **COMMAND_CONSUMER_OPTIONS,
         )
         executor.ownership = PartitionOwnership(consumer, executor.state, app.topics.commands)
         await app.run(background=[reconcile_loop(executor, settings.executor_reconcile_interval_s, app.stop)])

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypedDict
 
 import redis.asyncio as aioredis
 
@@ -32,6 +33,17 @@ from sits.v1 import events_pb2
 
 log = logging.getLogger(__name__)
 REDIS_PREFIX = "sits:executor:"
+
+
+class CommandConsumerOptions(TypedDict):
+    coalesce: bool
+    concurrent_partitions: bool
+
+
+# How commands are consumed, by the service and by the benchmark that times it: each one handled (none folded
+# into a later one), and the partitions fetched together handled side by side: applying mostly waits on Redis,
+# the engine and the broker, and a target's commands keep their order on their partition.
+COMMAND_CONSUMER_OPTIONS = CommandConsumerOptions(coalesce=False, concurrent_partitions=True)
 
 
 def build_executor(
