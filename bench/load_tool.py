@@ -8,11 +8,14 @@ local tokenizer, and writes its own JSON/CSV exports. Its own virtualenv keeps
 its pins (transformers, pydantic, zmq) out of the project's.
 
 `ensure_aiperf()` installs it from the package registry on first use (a few
-minutes) and returns the `aiperf` command.
+minutes) and returns the `aiperf` command. A host without the registry (the GPU
+device machine, scripts/gpu/overload_http_gpu.sh) installs it from carried wheels
+itself and names the command in `SITS_AIPERF_COMMAND`, which is then used as it is.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 AIPERF_VERSION = "0.13.0"
 VENV = ROOT / ".cache" / "aiperf-venv"
+# An `aiperf` command installed beforehand (AIPERF_VERSION), used instead of the virtualenv: no install.
+COMMAND_ENV = "SITS_AIPERF_COMMAND"
 
 
 def aiperf_command(venv: Path = VENV) -> Path:
@@ -40,7 +45,13 @@ def installed_version(venv: Path = VENV) -> str | None:
 
 
 def ensure_aiperf(venv: Path = VENV) -> Path:
-    """The `aiperf` command, installed (pinned) into `venv` first when it is not there."""
+    """The `aiperf` command, installed (pinned) into `venv` first when it is not there, or the one
+    `SITS_AIPERF_COMMAND` names."""
+    given = os.environ.get(COMMAND_ENV)
+    if given:
+        if not Path(given).is_file():
+            raise RuntimeError(f"{COMMAND_ENV}={given}: no such command")
+        return Path(given)
     if installed_version(venv) == AIPERF_VERSION:
         return aiperf_command(venv)
     print(f"installing aiperf {AIPERF_VERSION} into {venv} (first run: a few minutes)", flush=True)

