@@ -449,7 +449,11 @@ class EventConsumer:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             max_poll_records=settings.consumer_max_batch,
-            fetch_max_wait_ms=settings.consumer_fetch_max_wait_ms,
+            # With an urgent lane, what needs the short wait has a reader of its own (below). Tansu answers an
+            # empty fetch only when its wait ends, so every replica's idle fetches cost CPU in proportion.
+            fetch_max_wait_ms=settings.consumer_calm_fetch_max_wait_ms
+            if self._urgent_topics
+            else settings.consumer_fetch_max_wait_ms,
             # Tansu starts a group quickly; the default 3 s join delay would dominate tests.
             session_timeout_ms=settings.consumer_session_timeout_ms,
             heartbeat_interval_ms=min(1_000, settings.consumer_session_timeout_ms // 3),

@@ -98,6 +98,13 @@ class Settings(BaseSettings):
         description="How long a fetch may wait for data. Tansu answers only when this wait ends, so it bounds "
         "reaction time.",
     )
+    consumer_calm_fetch_max_wait_ms: int = Field(
+        50,
+        ge=1,
+        le=5000,
+        description="The same for the other topics of a service that reads an urgent lane (decision, validator): "
+        "their records wait up to this long, and an idle replica makes fewer empty fetches.",
+    )
     consumer_commit_interval_ms: int = Field(
         0,
         ge=0,
