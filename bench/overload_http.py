@@ -53,7 +53,7 @@ from typing import Any
 
 from bench.common import RESULTS, median, utc_stamp, write_result
 from bench.load_tool import AIPERF_VERSION, ensure_aiperf
-from bench.overload import VARIANTS, variant_machine, variant_suffix
+from bench.overload import STARTED, VARIANTS, variant_machine, variant_suffix
 from sits_app.demo.paths import EngineShape, start_baseline, start_engines, start_sits
 from sits_app.stack.vllm_engine import VllmOpenAIServer, VllmServer, make_random_llama
 
@@ -77,8 +77,6 @@ OUTPUT_TOKENS = {"p0": 32, "p2": 128}
 TTFT = "time_to_first_token"
 ITL = "inter_token_latency"
 HTTP_CHUNKS = "http_req_chunks_received"
-# --deadline-s counts from here (the process's start, as near as matters).
-STARTED = time.monotonic()
 
 
 async def aiperf(

@@ -668,16 +668,13 @@ class EventConsumer:
 
         `between_slices` is awaited every URGENT_SLICE_RECORDS records decoded and events handled: the whole
         list is still coalesced as one (a target's samples fold across it), but the loop is not held for all of it.
+        The check is inline, not a coroutine: this is every consumer's per-record path.
         """
-
-        async def slice_ends(index: int) -> None:
-            if between_slices is not None and index and index % URGENT_SLICE_RECORDS == 0:
-                await between_slices()
-
         decoded: list[tuple[ConsumerRecord[bytes, bytes], Message]] = []
         replay_until = self._replay_until.get(tp)
         for index, record in enumerate(records):
-            await slice_ends(index)
+            if between_slices is not None and index and index % URGENT_SLICE_RECORDS == 0:
+                await between_slices()
             if replay_until is not None and record.offset < replay_until:
                 # Dead-lettered already by the previous owner, if it was bad: read it quietly.
                 with contextlib.suppress(EnvelopeError):
@@ -696,7 +693,8 @@ class EventConsumer:
                         await self._handler(self._received(record, message, replay=True))
             decoded = [(r, m) for r, m in decoded if r.offset >= replay_until]
         for index, (record, message, folded) in enumerate(self._coalesced(decoded)):
-            await slice_ends(index)
+            if between_slices is not None and index and index % URGENT_SLICE_RECORDS == 0:
+                await between_slices()
             event = self._received(
                 record, message, coalesced=folded, record_key=record.key or b"", record_value=record.value or b""
             )
