@@ -13,9 +13,10 @@
 # aiperf_gpu.tar.gz (AIPerf's exports, for bench/results/overload_http/) and logs.tar.gz.
 # Phases that do not fit one call: pass `--deadline-s S --carry-over /tmp/overload-http-gpu-carry.json` in
 # back-to-back calls on the same warm machine; each keeps the phases done, and the file comes back in $OUT.
-# They do not at --seconds 15: on an H100 on 2026-12-07, `OVERLOAD_TIMEOUT_S=545 ... --seconds 15
-# --deadline-s 510 --carry-over /tmp/overload-http-gpu-carry.json` did 8 of the 14 phases in 510 s (each AIPerf
-# run costs about 35 s beyond its phase there: docs/http.md): plan two such calls.
+# They do not at --seconds 15: on an H100 on 2026-12-07 20:00, `OVERLOAD_TIMEOUT_S=525 ... --seconds 15
+# --deadline-s 490 --carry-over /tmp/overload-http-gpu-carry.json` did 11 of the 14 phases after a 66 s setup, and
+# a second call (OVERLOAD_TIMEOUT_S=450 --deadline-s 420) the other 3 in 152 s: plan two calls. Each AIPerf run
+# costs about 10 s beyond its phase (35 s while its processes imported the image's torch: docs/http.md).
 set -u
 OUT="${OUT:-/tmp/overload-http-gpu-out}"
 . scripts/gpu/device_setup.sh
@@ -31,6 +32,10 @@ fi
 # Without HF_HUB_OFFLINE (env.sh sets it): offline, AIPerf 0.13 looks even a local tokenizer folder up in the
 # Hub's cache as a repo id and fails (HFValidationError, 2026-12-07); online, it loads the folder directly.
 mkdir -p /tmp/aiperf-site/bin
+# The image's transformers imports its torch when torch is there; AIPerf needs only the tokenizer, and on the
+# 2-core machine runs with no torch at all. Each AIPerf process (its services are processes of their own) then
+# loads the tokenizer without torch: sitecustomize on its PYTHONPATH marks torch absent before anything imports.
+printf 'import sys\nsys.modules.setdefault("torch", None)\n' >/tmp/aiperf-site/sitecustomize.py
 printf '#!/bin/sh\nexec env -u HF_HUB_OFFLINE -u TRANSFORMERS_OFFLINE PYTHONPATH=/tmp/aiperf-site python3 -m aiperf "$@"\n' \
   >/tmp/aiperf-site/bin/aiperf
 chmod +x /tmp/aiperf-site/bin/aiperf
@@ -46,6 +51,10 @@ start_mesh_stack
   python3 -c 'import vllm.entrypoints.openai.api_server, sits_engine.vllm_plugin.openai_launcher; print("openai server imports")'
   python3 -c 'import bench.overload_http, sits_mesh.ext_proc, services.capture.main, services.decision.main; print("imports")'
   "$SITS_AIPERF_COMMAND" profile --help >/dev/null && echo "aiperf runs"
+  env -u HF_HUB_OFFLINE PYTHONPATH=/tmp/aiperf-site python3 -c 'import sys, time; t = time.monotonic()
+import transformers.tokenization_utils_base, aiperf.common.tokenizer
+print("aiperf tokenizer imports %.1f s, torch imported: %s" % (time.monotonic() - t, sys.modules.get("torch") is not None))' \
+    || echo "aiperf tokenizer imports failed"
   echo "setup took $(( $(date +%s) - START )) s"
 } 2>&1 | tee "$OUT/run.log"
 timeout "${OVERLOAD_TIMEOUT_S:-540}" python3 -m bench.overload_http --variants gpu --keep-workdir "$@" 2>&1 | tee -a "$OUT/run.log"

@@ -41,6 +41,9 @@ MODEL = "sits-random-llama"
 KV_BYTES_PER_TOKEN = known_model(MODEL).kv_bytes_per_token(2, 1)
 
 Progress = Callable[[str], None]
+# vLLM's default KV block size, in tokens, in its CPU build and in its CUDA build.
+CPU_BLOCK_TOKENS = 128
+CUDA_BLOCK_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class EngineShape:
     """One engine's size, the same on both paths."""
 
     max_num_seqs: int = 16
+    # In vLLM CPU's blocks of 128 tokens (its default); a GPU engine gets as many tokens in the CUDA build's
+    # 16-token blocks, so both builds hold the same KV.
     kv_blocks: int = 24
     max_model_len: int = 1024
     max_num_batched_tokens: int = 1024
@@ -60,7 +65,13 @@ class EngineShape:
     gpu_memory_utilization: float = 0.0
 
     def server(self, model: Path, log_path: Path, sits: bool) -> VllmServer:
-        extra: tuple[str, ...] = ("--num-gpu-blocks-override", str(self.kv_blocks))
+        blocks = self.kv_blocks
+        if self.gpu_memory_utilization:
+            # 64 blocks gave the GPU engine 1,024 tokens against the CPU's 8,192: with one request running, less
+            # than twice the largest one was free, so admission's bypass never opened and every HTTP request
+            # at capacity waited for the processor (docs/http.md).
+            blocks = self.kv_blocks * CPU_BLOCK_TOKENS // CUDA_BLOCK_TOKENS
+        extra: tuple[str, ...] = ("--num-gpu-blocks-override", str(blocks))
         if self.gpu_memory_utilization:
             # bfloat16: the random Llama is saved in float32, and FlashAttention (vLLM's default on Hopper) takes
             # only 16-bit types.
