@@ -91,6 +91,15 @@ def fleet_policy() -> str:
     return str(yaml.safe_dump(policy, sort_keys=False))
 
 
+async def handled_and_coalesced(metrics_ports: list[int]) -> tuple[float, float]:
+    """Samples and OOMs the decision replicas' domain has decided on, and samples folded into a newer one, so far."""
+    handled = coalesced = 0.0
+    for port in metrics_ports:
+        handled += await h.metric_value(port, "sits_decision_seconds_count")
+        coalesced += await h.metric_value(port, "sits_events_coalesced_total")
+    return handled, coalesced
+
+
 def cpu_seconds(pid: int) -> float:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -307,7 +316,9 @@ async def one_run(
         poller = asyncio.create_task(
             poll_commits(stack.settings.kafka_bootstrap, f"{prefix}sits-decision", topics.samples, poll_stop)
         )
-        pids = [stack.services[n].process.pid for n in stack.replicas_of("decision")]
+        replicas_now = [stack.services[n] for n in stack.replicas_of("decision")]
+        pids = [s.process.pid for s in replicas_now]
+        handled0 = await handled_and_coalesced([s.metrics_port for s in replicas_now])
         cpu0 = sum(cpu_seconds(p) for p in pids)
         sim_cpu0 = time.process_time()
         window_start = time.time()
@@ -315,6 +326,7 @@ async def one_run(
         window_end = time.time()
         cpu1 = sum(cpu_seconds(p) for p in pids)
         sim_cpu = time.process_time() - sim_cpu0
+        handled1 = await handled_and_coalesced([s.metrics_port for s in replicas_now])
         stop.set()
         await asyncio.gather(sim, pub)
         await asyncio.to_thread(probe_host.join, 30)
@@ -345,6 +357,7 @@ async def one_run(
     reactions = [reaction for _, reaction in applied]
     window = window_end - window_start
     decision_cpu = cpu1 - cpu0
+    handled, coalesced = (after - before for after, before in zip(handled1, handled0, strict=True))
     commands = [m for r in records[topics.commands] if isinstance(m := r.message(), events_pb2.HealingCommand)]
     # Where a probe's reaction went: to the broker's acknowledgement of its sample, to the decision's command
     # (its produced_at), and from that command to the executor's applied_at.
@@ -375,6 +388,11 @@ async def one_run(
         "decision_cpu_cores": round(decision_cpu / window, 3),
         "cpu_us_per_sample": round(decision_cpu / max(1, committed_in_window) * 1e6, 2),
         "cpu_core_pct_per_1000_targets": round(decision_cpu / window * 100 / (targets / 1000), 2),
+        # A replica that lags folds a target's samples of one poll into the newest (latest wins): those cost it
+        # next to nothing, so CPU per committed sample falls as lag grows. Per handled sample it does not.
+        "handled_samples_per_s": round(handled / window, 1),
+        "coalesced_fraction": round(coalesced / max(1.0, handled + coalesced), 3),
+        "cpu_us_per_handled_sample": round(decision_cpu / max(1.0, handled) * 1e6, 2),
         "simulator_cpu_cores": round(sim_cpu / window, 3),
         # Events the simulator's one publisher (a real capture serves 8 GPUs) could not hand to Kafka as fast as
         # the fleet made them: they went through its disk spool, in order, behind the rest.
@@ -465,6 +483,13 @@ def main() -> int:
         "replicas_max": max(args.replicas),
         "samples_per_s_max": max(x["samples_per_s"] for x in runs),
         "cpu_per_sample_ratio_4_over_1": round(four["cpu_us_per_sample"] / one["cpu_us_per_sample"], 3)
+        if one and four
+        else None,
+        # The same over the samples the replicas handled, not folded into a newer one (see the runs'
+        # coalesced_fraction): coordination's cost apart from how far each replica lags.
+        "cpu_per_handled_sample_ratio_4_over_1": round(
+            four["cpu_us_per_handled_sample"] / one["cpu_us_per_handled_sample"], 3
+        )
         if one and four
         else None,
         f"decision_lag_p99_ms_{top}_targets": max(x["decision_lag_p99_ms"] for x in biggest),
