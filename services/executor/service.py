@@ -106,7 +106,7 @@ class Executor:
             await self.state.record(target_name, result, mark_applied=False)
             await self.publish(result)
             return result
-        lease = await self.state.acquire_lease(target_name, self.lease_ttl_ms)
+        lease = await self.state.acquire_lease(target_name, self.lease_ttl_ms, command_id=command.command_id)
         try:
             return await self._apply_under_lease(command, lease)
         finally:
@@ -143,11 +143,10 @@ class Executor:
         )
         rollback_command.meta.CopyFrom(original.meta)
         rollback_command.rollback.action_id = action_id
-        lease = await self.state.acquire_lease(target_name, self.lease_ttl_ms)
+        lease = await self.state.acquire_lease(target_name, self.lease_ttl_ms, command_id=rollback_command.command_id)
         try:
-            done = await self.state.applied_action(rollback_command.command_id)
-            if done is not None:
-                return await self._duplicate(rollback_command, done, lease)
+            if lease.applied_action is not None:
+                return await self._duplicate(rollback_command, lease.applied_action, lease)
             action = ACTIONS.get(int(original.kind))
             target = self.targets.get(target_name)
             if action is None or target is None:
@@ -198,9 +197,8 @@ class Executor:
 
     async def _apply_under_lease(self, command: events_pb2.HealingCommand, lease: Lease) -> events_pb2.ActionResult:
         target_name = lease.target
-        done = await self.state.applied_action(command.command_id)
-        if done is not None:
-            return await self._duplicate(command, done, lease)
+        if lease.applied_action is not None:
+            return await self._duplicate(command, lease.applied_action, lease)
         target = self.targets[target_name]
         action = ACTIONS.get(int(command.kind))
         if action is None:
@@ -216,6 +214,8 @@ class Executor:
             raise LeaseHeld(f"lease on {target_name} lost before applying {command.command_id}")
         try:
             detail = await action.apply(self, target, command, before)
+            # Live from here: reading the state after it back is bookkeeping, not part of the action.
+            live_at = self.clock.now()
             after = await action.record(self, target)
         except Renewal as renewal:
             result = self.result_for(command, ActionStatus.ACTION_STATUS_RENEWED, renewal.detail, lease)
@@ -235,7 +235,7 @@ class Executor:
             await self.state.record(target_name, result, mark_applied=False)
             await self.publish(result)
             return result
-        result = self.result_for(command, ActionStatus.ACTION_STATUS_APPLIED, detail, lease)
+        result = self.result_for(command, ActionStatus.ACTION_STATUS_APPLIED, detail, lease, at=live_at)
         result.before.CopyFrom(before)
         result.after.CopyFrom(after)
         result.direction = domain.direction(before, after)
@@ -364,7 +364,10 @@ class Executor:
         status: events_pb2.ActionStatus.ValueType,
         detail: str,
         lease: Lease | None = None,
+        *,
+        at: float | None = None,
     ) -> events_pb2.ActionResult:
+        """The result of `command`, applied (or refused, skipped...) at `at` (default: now)."""
         now = self.clock.now()
         target = common_pb2.Target()
         target.CopyFrom(command.meta.target)
@@ -380,5 +383,5 @@ class Executor:
         )
         if command.HasField("promise"):
             result.promise.CopyFrom(command.promise)
-        result.applied_at.FromNanoseconds(int(now * 1e9))
+        result.applied_at.FromNanoseconds(int((now if at is None else at) * 1e9))
         return result

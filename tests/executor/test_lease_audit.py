@@ -9,6 +9,7 @@ import pytest
 
 from services.executor.adapters.redis_state import LeaseHeld, RedisState, lease_overlaps
 from sits.runtime.redis import connect
+from sits.v1 import events_pb2
 
 
 def test_overlapping_holds_are_found_in_an_audit() -> None:
@@ -62,3 +63,26 @@ async def test_two_executors_racing_for_one_target_never_hold_it_together(redis_
     assert lease_overlaps(audit) == []
     for state in states:
         await state._client.aclose()
+
+
+async def test_a_lease_taken_for_a_command_says_which_action_applied_it_already(
+    redis_url: str, redis_prefix: str
+) -> None:
+    state = RedisState(connect(redis_url), prefix=redis_prefix)
+    target = "vllm-duplicate-check"
+    fresh = await state.acquire_lease(target, ttl_ms=2000, command_id="cmd-1")
+    assert fresh.applied_action is None
+    applied = events_pb2.ActionResult(action_id="act-1", command_id="cmd-1")
+    applied.applied_at.FromNanoseconds(1_000_000_000)
+    await state.record(target, applied, mark_applied=True)
+    await state.release_lease(fresh)
+
+    again = await state.acquire_lease(target, ttl_ms=2000, command_id="cmd-1")
+    assert again.applied_action == "act-1"
+    # Refused while held: no answer about the command leaks to an executor without the lease.
+    with pytest.raises(LeaseHeld):
+        await state.acquire_lease(target, ttl_ms=2000, command_id="cmd-1")
+    await state.release_lease(again)
+    other = await state.acquire_lease(target, ttl_ms=2000, command_id="cmd-2")
+    assert other.applied_action is None
+    assert (await state.acquire_lease("vllm-no-command", ttl_ms=2000)).applied_action is None

@@ -62,10 +62,15 @@ class Lease:
     target: str
     holder: str
     fencing_token: int
+    # The action that had already applied the command named when the lease was taken (read under the lease,
+    # in the same round trip), or None.
+    applied_action: str | None = None
 
 
 # Take the lease (SET NX PX) with a fresh fencing token, and audit the grant with Redis's clock, the same
 # clock its expiry runs on: an overlap in the audit is a real double hold, not clock skew between executors.
+# With a fourth key (a command's applied:<id>), a granted lease also returns which action applied that command
+# already: the duplicate check every command makes under its lease costs no round trip of its own.
 _ACQUIRE = """
 local token = redis.call('INCR', KEYS[2])
 local value = ARGV[1] .. ':' .. token
@@ -75,9 +80,12 @@ if redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2]) then
   redis.call('RPUSH', KEYS[3], 'acquire ' .. value .. ' ' .. ms .. ' ' .. ARGV[2])
   redis.call('LTRIM', KEYS[3], -tonumber(ARGV[3]), -1)
   redis.call('PEXPIRE', KEYS[3], ARGV[4])
-  return token
+  if KEYS[4] then
+    return {token, redis.call('GET', KEYS[4])}
+  end
+  return {token, false}
 end
-return -token
+return {-token, false}
 """
 
 # Release only our own lease: compare-and-delete in one step, audited like the grant.
@@ -141,21 +149,26 @@ class RedisState:
 
     # ------------------------------------------------------------ leases
 
-    async def acquire_lease(self, target: str, ttl_ms: int) -> Lease:
-        """The target's lease with a fresh fencing token, or LeaseHeld."""
+    async def acquire_lease(self, target: str, ttl_ms: int, *, command_id: str = "") -> Lease:
+        """The target's lease with a fresh fencing token, or LeaseHeld. With `command_id`, the lease also says
+        which action applied that command already (`Lease.applied_action`), read once the lease is held."""
         holder = uuid.uuid4().hex
+        keys = [self._key("lease", target), self._key("fence", target), self._key("lease-audit", target)]
+        if command_id:
+            keys.append(self._key("applied", command_id))
         try:
-            token = int(
-                await self._acquire(
-                    keys=[self._key("lease", target), self._key("fence", target), self._key("lease-audit", target)],
-                    args=[holder, ttl_ms, AUDIT_ENTRIES, AUDIT_TTL_MS],
-                )
-            )
+            raw_token, applied = await self._acquire(keys=keys, args=[holder, ttl_ms, AUDIT_ENTRIES, AUDIT_TTL_MS])
         except (RedisError, OSError) as error:
             raise StateUnavailable(f"Redis unreachable while taking the lease: {error}") from error
+        token = int(raw_token)
         if token < 0:
             raise LeaseHeld(f"target {target} is leased by another executor")
-        return Lease(target=target, holder=f"{holder}:{token}", fencing_token=token)
+        return Lease(
+            target=target,
+            holder=f"{holder}:{token}",
+            fencing_token=token,
+            applied_action=_text(applied) if applied is not None else None,
+        )
 
     async def lease_audit(self, target: str) -> list[str]:
         try:
@@ -198,13 +211,6 @@ class RedisState:
         return raw is not None and _text(raw) == lease.holder
 
     # ------------------------------------------------------------ commands and actions
-
-    async def applied_action(self, command_id: str) -> str | None:
-        try:
-            raw = await self._client.get(self._key("applied", command_id))
-        except (RedisError, OSError) as error:
-            raise StateUnavailable(f"Redis unreachable: {error}") from error
-        return _text(raw) if raw is not None else None
 
     async def record(self, target: str, result: events_pb2.ActionResult, *, mark_applied: bool) -> None:
         """Store the action; with `mark_applied`, also remember its command as done."""
