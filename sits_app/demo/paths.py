@@ -65,17 +65,20 @@ class EngineShape:
     gpu_memory_utilization: float = 0.0
 
     def server(self, model: Path, log_path: Path, sits: bool) -> VllmServer:
-        blocks = self.kv_blocks
+        extra: tuple[str, ...] = ("--num-gpu-blocks-override", str(self.kv_blocks))
         if self.gpu_memory_utilization:
-            # 64 blocks gave the GPU engine 1,024 tokens against the CPU's 8,192: with one request running, less
-            # than twice the largest one was free, so admission's bypass never opened and every HTTP request
-            # at capacity waited for the processor (docs/http.md).
-            blocks = self.kv_blocks * CPU_BLOCK_TOKENS // CUDA_BLOCK_TOKENS
-        extra: tuple[str, ...] = ("--num-gpu-blocks-override", str(blocks))
-        if self.gpu_memory_utilization:
+            # As many blocks in 16 tokens would hold an eighth of the CPU engine's KV: with anything running, less
+            # than twice the largest request would be free, and admission's bypass would never open (docs/http.md).
             # bfloat16: the random Llama is saved in float32, and FlashAttention (vLLM's default on Hopper) takes
             # only 16-bit types.
-            extra += ("--gpu-memory-utilization", str(self.gpu_memory_utilization), "--dtype", "bfloat16")
+            extra = (
+                "--num-gpu-blocks-override",
+                str(self.kv_blocks * CPU_BLOCK_TOKENS // CUDA_BLOCK_TOKENS),
+                "--gpu-memory-utilization",
+                str(self.gpu_memory_utilization),
+                "--dtype",
+                "bfloat16",
+            )
         kind = VllmOpenAIServer if self.api == "openai" else VllmServer
         return kind(
             model,

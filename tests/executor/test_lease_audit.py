@@ -86,3 +86,4 @@ async def test_a_lease_taken_for_a_command_says_which_action_applied_it_already(
     other = await state.acquire_lease(target, ttl_ms=2000, command_id="cmd-2")
     assert other.applied_action is None
     assert (await state.acquire_lease("vllm-no-command", ttl_ms=2000)).applied_action is None
+    await state._client.aclose()
