@@ -127,10 +127,12 @@ def serve_admission_child(port: int, policy_path: Path, envoy_admin: str) -> Non
 
 @contextlib.contextmanager
 def admission_process(port: int, policy_path: Path, log: Path, envoy_admin: str = "") -> Any:
-    argv = [sys.executable, __file__, "--serve-admission", str(port), "--policy", str(policy_path)]
+    # As a module from the repository root: run as a file, the child would not find the `bench` package.
+    argv = [sys.executable, "-m", "bench.envoy_overhead", "--serve-admission", str(port), "--policy", str(policy_path)]
     with log.open("wb") as out:
         child = subprocess.Popen(
             [*argv, "--envoy-admin", envoy_admin] if envoy_admin else argv,
+            cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
