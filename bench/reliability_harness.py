@@ -531,6 +531,11 @@ def frozen(process: ManagedProcess) -> Iterator[None]:
 
 async def metric_value(port: int, name: str) -> float:
     """Sum of one metric's series on a service's /metrics endpoint."""
+    return (await metric_values(port, [name]))[0]
+
+
+async def metric_values(port: int, names: list[str]) -> list[float]:
+    """Sum of each metric's series, in the order named, from one read of a service's /metrics endpoint."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout=2)
     try:
         writer.write(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
@@ -538,11 +543,12 @@ async def metric_value(port: int, name: str) -> float:
         body = (await asyncio.wait_for(reader.read(), timeout=5)).decode(errors="replace")
     finally:
         writer.close()
-    total = 0.0
+    totals = dict.fromkeys(names, 0.0)
     for line in body.splitlines():
-        if line.startswith(name) and (line[len(name)] in " {"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+        for name in names:
+            if line.startswith(name) and (line[len(name)] in " {"):
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    return [totals[name] for name in names]
 
 
 def _text(value: object) -> str:

@@ -51,10 +51,6 @@ start_mesh_stack
   python3 -c 'import vllm.entrypoints.openai.api_server, sits_engine.vllm_plugin.openai_launcher; print("openai server imports")'
   python3 -c 'import bench.overload_http, sits_mesh.ext_proc, services.capture.main, services.decision.main; print("imports")'
   "$SITS_AIPERF_COMMAND" profile --help >/dev/null && echo "aiperf runs"
-  env -u HF_HUB_OFFLINE PYTHONPATH=/tmp/aiperf-site python3 -c 'import sys, time; t = time.monotonic()
-import transformers.tokenization_utils_base, aiperf.common.tokenizer
-print("aiperf tokenizer imports %.1f s, torch imported: %s" % (time.monotonic() - t, sys.modules.get("torch") is not None))' \
-    || echo "aiperf tokenizer imports failed"
   echo "setup took $(( $(date +%s) - START )) s"
 } 2>&1 | tee "$OUT/run.log"
 timeout "${OVERLOAD_TIMEOUT_S:-540}" python3 -m bench.overload_http --variants gpu --keep-workdir "$@" 2>&1 | tee -a "$OUT/run.log"
