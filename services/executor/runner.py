@@ -41,8 +41,8 @@ class CommandConsumerOptions(TypedDict):
 
 
 # How commands are consumed, by the service and by the benchmark that times it: each one handled (none folded
-# into a later one), and the partitions fetched together handled side by side: applying mostly waits on Redis,
-# the engine and the broker, and a target's commands keep their order on their partition.
+# into a later one), and each partition's handled by a task of its own while the others are fetched on: applying
+# mostly waits on Redis, the engine and the broker, and a target's commands keep their order on their partition.
 COMMAND_CONSUMER_OPTIONS = CommandConsumerOptions(coalesce=False, concurrent_partitions=True)
 
 

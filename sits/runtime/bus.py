@@ -415,9 +415,10 @@ class EventConsumer:
         each commit (a handler that only enqueued what it produces waits for delivery there); when it
         raises, nothing is committed and the consumer goes back to its committed offsets. `urgent_topics`
         (among `topics`): their fetched records are handled before any other, in every round, and between
-        slices of URGENT_SLICE_RECORDS of the others. `concurrent_partitions`: a round's partitions are handled
-        side by side (each in order), for a handler that mostly waits on others: one partition's slow record
-        then no longer holds every other partition's."""
+        slices of URGENT_SLICE_RECORDS of the others. `concurrent_partitions`: each partition's records are
+        handled by a task of its own (in order), side by side, and the consumer fetches on for the partitions
+        not busy, for a handler that mostly waits on others: one partition's slow record holds only the records
+        behind it, not every other partition's."""
         self._settings = settings
         self._topics = list(topics)
         self._urgent_topics = frozenset(urgent_topics) & set(self._topics)
@@ -443,6 +444,8 @@ class EventConsumer:
         self._uncommitted: dict[TopicPartition, int] = {}
         self._last_commit = time.monotonic()
         self._handling = asyncio.Lock()
+        # concurrent_partitions: each partition's records in hand, handled by a task of its own.
+        self._in_flight: dict[TopicPartition, asyncio.Task[bool]] = {}
         self._consumer = AIOKafkaConsumer(
             **kafka_client_options(settings),
             group_id=group_id,
@@ -528,14 +531,81 @@ class EventConsumer:
         """
         await self.start()
         max_batch = self._settings.consumer_max_batch
-        while not stop.is_set():
-            # getmany returns buffered records without yielding: let the fetchers (and the rest of the service)
-            # run between rounds, or urgent records would wait until the buffers ran dry.
-            await asyncio.sleep(0)
-            await self._handle_batches(await self._next_batches(max_batch))
-            await self._export_lag()
+        try:
+            while not stop.is_set():
+                # getmany returns buffered records without yielding: let the fetchers (and the rest of the service)
+                # run between rounds, or urgent records would wait until the buffers ran dry.
+                await asyncio.sleep(0)
+                if self._concurrent_partitions:
+                    await self._partitions_round(max_batch)
+                else:
+                    await self._handle_batches(await self._next_batches(max_batch))
+                await self._export_lag()
+        except BaseException:
+            # Cancelled, or failed: the partitions' tasks go with it, as handlers awaited in place would.
+            for task in self._in_flight.values():
+                task.cancel()
+            await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
+            self._in_flight.clear()
+            raise
+        await self._finish_in_flight()
         async with self._handling:
             await self._flush_commits()
+
+    async def _partitions_round(self, max_batch: int) -> None:
+        """concurrent_partitions: start a task for each partition fetched, and fetch on for the partitions whose
+        records are all handled while the others' tasks run: one partition's slow record (an engine that does
+        not answer) holds only the records behind it, not the next fetch of every other partition."""
+        owned = self._consumer.assignment()
+        idle = [tp for tp in owned if tp not in self._in_flight]
+        waits: list[asyncio.Future[Any]] = list(self._in_flight.values())
+        fetch: asyncio.Future[Fetched] | None = None
+        if idle or not owned:
+            # Only the idle partitions: records fetched meanwhile for a busy one wait in aiokafka's buffer.
+            fetch = asyncio.ensure_future(self._consumer.getmany(*idle, timeout_ms=200, max_records=max_batch))
+            waits.append(fetch)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        fetched: Fetched = {}
+        if fetch is not None:
+            if fetch.done():
+                fetched = fetch.result()
+            else:
+                # A getmany cancelled while it waits has taken no records (it takes them in the step that returns).
+                fetch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await fetch
+        owned = self._consumer.assignment()
+        for tp, records in fetched.items():
+            if tp in owned and tp not in self._in_flight:  # else fetched before a revocation: read again elsewhere
+                self._in_flight[tp] = asyncio.create_task(self._handle_partition(tp, records))
+        failures = self._reap_in_flight()
+        if failures:
+            # Every other partition's work runs to its end before the error goes up: none is cut off half-applied.
+            await self._finish_in_flight()
+            raise failures[0]
+        if time.monotonic() - self._last_commit >= self._commit_interval_s:
+            async with self._handling:
+                await self._flush_commits()
+
+    def _reap_in_flight(self, only: set[TopicPartition] | None = None) -> list[BaseException]:
+        """Forget the partition tasks that ended; the errors they raised."""
+        failures = []
+        for tp, task in list(self._in_flight.items()):
+            if task.done() and (only is None or tp in only):
+                del self._in_flight[tp]
+                if not task.cancelled() and task.exception() is not None:
+                    failures.append(task.exception())
+        return [f for f in failures if f is not None]
+
+    async def _finish_in_flight(self, only: set[TopicPartition] | None = None, timeout_s: float | None = None) -> bool:
+        """Wait for the partition tasks in hand (on `only`, or all); False when some did not end in `timeout_s`."""
+        tasks = [task for tp, task in self._in_flight.items() if only is None or tp in only]
+        if not tasks:
+            return True
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for failure in self._reap_in_flight(only):
+            log.error("partition handling failed while finishing", exc_info=failure)
+        return not pending
 
     async def _handle_batches(self, batches: Fetched) -> None:
         async with self._handling:
@@ -623,6 +693,22 @@ class EventConsumer:
 
     async def _revoked(self, revoked: set[TopicPartition]) -> None:
         """Finish the batch in hand (or give up on it after REVOKE_WAIT_S), commit what was handled."""
+        if self._concurrent_partitions:
+            if not await self._finish_in_flight(revoked, REVOKE_WAIT_S):
+                log.warning("revocation: a partition's records did not finish in %.0f s; abandoned", REVOKE_WAIT_S)
+            async with self._handling:
+                await self._flush_commits(revoked)
+        else:
+            await self._finish_batch_in_hand(revoked)
+        for tp in revoked:
+            self._uncommitted.pop(tp, None)
+            self._replay_until.pop(tp, None)
+        if self._urgent_reader is not None:
+            self._urgent_reader.assign([tp for tp in self._urgent_reader.assignment() if tp not in revoked])
+        if self._on_revoked is not None:
+            await self._on_revoked(revoked)
+
+    async def _finish_batch_in_hand(self, revoked: set[TopicPartition]) -> None:
         try:
             await asyncio.wait_for(self._handling.acquire(), REVOKE_WAIT_S)
         except TimeoutError:
@@ -633,13 +719,6 @@ class EventConsumer:
                 await self._flush_commits(revoked)
             finally:
                 self._handling.release()
-        for tp in revoked:
-            self._uncommitted.pop(tp, None)
-            self._replay_until.pop(tp, None)
-        if self._urgent_reader is not None:
-            self._urgent_reader.assign([tp for tp in self._urgent_reader.assignment() if tp not in revoked])
-        if self._on_revoked is not None:
-            await self._on_revoked(revoked)
 
     async def _assigned(self, assigned: set[TopicPartition]) -> None:
         if self._on_assigned is not None:

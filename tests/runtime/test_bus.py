@@ -379,6 +379,63 @@ async def test_concurrent_partitions_are_handled_side_by_side_each_in_order(sett
     assert consumer.stats.retries == 1
 
 
+async def test_a_partition_held_by_a_slow_record_does_not_hold_the_next_fetch_of_another(
+    settings: Settings, topics: Topics
+) -> None:
+    await ensure_topics(settings)
+    engines = [f"e{i}" for i in range(20)]
+    keys = {e: format_target_key(common_pb2.Target(host="h", gpu_uuid="GPU-1", engine=e)) for e in engines}
+    slow = engines[0]
+    other = next(
+        e
+        for e in engines
+        if partition_of(keys[e], settings.kafka_partitions) != partition_of(keys[slow], settings.kafka_partitions)
+    )
+    release = asyncio.Event()
+    handled: list[tuple[str, int]] = []
+    other_seen = {0: asyncio.Event(), 1: asyncio.Event()}
+
+    async def handle(event: ReceivedEvent) -> None:
+        assert isinstance(event.message, events_pb2.MetricSample)
+        engine, seq = event.message.meta.target.engine, event.message.sequence
+        if engine == slow:
+            # An engine that does not answer: the executor's call waits out its timeout.
+            await asyncio.wait_for(release.wait(), 30)
+        handled.append((engine, seq))
+        if engine == other:
+            other_seen[seq].set()
+
+    async with EventProducer(settings) as producer:
+        consumer = EventConsumer(
+            settings,
+            group_id=f"{topics.prefix}g",
+            topics=[topics.metrics],
+            handler=handle,
+            dead_letters=producer,
+            coalesce=False,
+            concurrent_partitions=True,
+        )
+        stop = asyncio.Event()
+        async with consumer:
+            task = asyncio.create_task(consumer.run(stop))
+            try:
+                await producer.publish(topics.metrics, sample(0, engine=slow))
+                await producer.publish(topics.metrics, sample(0, engine=other))
+                await asyncio.wait_for(other_seen[0].wait(), 30)
+                # Written after the slow record is in hand: it comes in a later fetch than the slow one's.
+                await producer.publish(topics.metrics, sample(1, engine=other))
+                await asyncio.wait_for(other_seen[1].wait(), 20)
+                assert not release.is_set()
+                assert (slow, 0) not in handled
+                release.set()
+                assert await eventually(lambda: (slow, 0) in handled, timeout_s=10)
+            finally:
+                release.set()
+                stop.set()
+                await asyncio.wait_for(task, 15)
+    assert sorted(handled) == sorted([(other, 0), (other, 1), (slow, 0)])
+
+
 async def test_a_consumer_with_urgent_topics_refuses_to_handle_partitions_side_by_side(
     settings: Settings, topics: Topics
 ) -> None:
