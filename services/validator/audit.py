@@ -25,6 +25,13 @@ from sits.v1 import events_pb2
 
 # Longer than publishing a verdict ever takes, short enough that a crashed claimant's action is judged soon.
 CLAIM_TTL_S = 30
+# The claim is still this claimant's: renew it (milliseconds in ARGV[2]) and answer 1; else 0.
+HOLD_CLAIM_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
 DEFAULT_RETENTION_S = 7 * 24 * 3600.0
 
 
@@ -37,12 +44,19 @@ class AuditStore:
     def _k(self, *parts: str) -> str:
         return ":".join((self._ns, *parts))
 
-    async def claim_verdict(self, action_id: str, verdict_id: str) -> bool:
+    async def claim_verdict(self, action_id: str, token: str) -> bool:
         """Take the one verdict this action may have (SET NX), before it is published: of two validator
         replicas judging one action during a move, only one publishes. False: it is taken. The claim
         expires unless `record_verdict` makes it permanent, so a claimant killed before publishing does
-        not leave the action without a verdict forever."""
-        return bool(await self._r.set(self._k("by-action", action_id), verdict_id, nx=True, ex=CLAIM_TTL_S))
+        not leave the action without a verdict forever. `token` is this attempt's own (see `hold_claim`)."""
+        return bool(await self._r.set(self._k("by-action", action_id), token, nx=True, ex=CLAIM_TTL_S))
+
+    async def hold_claim(self, action_id: str, token: str) -> bool:
+        """Whether the claim taken with `token` is still held, renewed for CLAIM_TTL_S if so. Asked right before
+        the verdict is published: a claimant that stalled past its claim's life (another replica may have
+        claimed and published since) must not publish a second verdict."""
+        held = await self._r.eval(HOLD_CLAIM_SCRIPT, 1, self._k("by-action", action_id), token, CLAIM_TTL_S * 1000)
+        return bool(held)
 
     async def first_attempt(self, action_id: str, now: float) -> float | None:
         """Note that this action's verdict is about to be published; None for the first attempt, else when the
@@ -52,10 +66,10 @@ class AuditStore:
         earlier = await self._r.set(self._k("attempt", action_id), repr(now), nx=True, px=self._retention_ms, get=True)
         return None if earlier is None else float(_text(earlier))
 
-    async def unclaim_verdict(self, action_id: str, verdict_id: str) -> None:
+    async def unclaim_verdict(self, action_id: str, token: str) -> None:
         """Give the claim back when the verdict could not be published, so the next try can."""
         raw = await self._r.get(self._k("by-action", action_id))
-        if raw is not None and _text(raw) == verdict_id:
+        if raw is not None and _text(raw) == token:
             await self._r.delete(self._k("by-action", action_id))
 
     async def record_verdict(

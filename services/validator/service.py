@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -216,7 +217,9 @@ class ValidatorService:
                 threshold=check.threshold,
                 detail=check.detail,
             )
-        if not await self._audit.claim_verdict(pending.action_id, verdict.verdict_id):
+        # This attempt's own: a replica's claim tells it from another's (and from its own earlier attempts).
+        token = f"{verdict.verdict_id}:{uuid.uuid4().hex}"
+        if not await self._audit.claim_verdict(pending.action_id, token):
             if await self._audit.verdict_for_action(pending.action_id) is not None:
                 log.info("action %s already has a verdict (another replica's); not judged again", pending.action_id)
                 return True
@@ -232,10 +235,15 @@ class ValidatorService:
                 verdict, found = earlier, " (an earlier attempt's, found on the topic)"
                 if verdict.rollback_command_id:
                     await self._publish_rollback(pending, verdict, target, now)
-            else:
+            elif await self._audit.hold_claim(pending.action_id, token):
                 await self._publish_verdict(pending, judgement, verdict, target, now)
+            else:
+                # Stalled past the claim's life: another replica may have claimed and judged it since, and its
+                # verdict stands. Keep watching; the next tick finds it recorded, or claims afresh.
+                log.warning("claim on action %s ran out before its verdict went out; not published", pending.action_id)
+                return False
         except BaseException:
-            await self._audit.unclaim_verdict(pending.action_id, verdict.verdict_id)
+            await self._audit.unclaim_verdict(pending.action_id, token)
             raise
         outcome = events_pb2.Verdict.Name(verdict.verdict).removeprefix("VERDICT_")
         if await self._audit.record_verdict(verdict, pending.target_key, claimed=True):

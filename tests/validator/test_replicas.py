@@ -153,3 +153,39 @@ async def test_a_verdict_published_by_a_replica_killed_before_it_finished_is_not
             for r in await read_all(settings, topics.commands, 2, timeout_s=3.0)
         ]
         assert rollbacks == ([f"rollback-{action}"] if outcome == "ROLLED_BACK" else [])
+
+
+@pytest.mark.timeout(60)
+async def test_a_replica_that_stalled_past_its_claim_does_not_publish_a_second_verdict(
+    settings: Settings, topics: Topics, redis_client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("services.validator.audit.CLAIM_TTL_S", 1)
+    await ensure_topics(settings)
+    clock = ManualClock(start=time.time())
+    async with EventProducer(settings) as producer:
+        stalled = replica(settings, topics, redis_client, producer, clock)
+        owner = replica(settings, topics, redis_client, producer, clock)
+        await stalled.handle(received(result("stalled", clock.now(), watermark=0.9)))
+        assert await owner.resume() == 1
+        clock.advance(2.0)
+        looked = stalled._earlier_verdict
+        resume = asyncio.Event()
+
+        async def stall_after_looking(*args: object) -> object:
+            found = await looked(*args)  # type: ignore[arg-type]
+            # Claimed, looked on the topic and found nothing; then the process stops (a long pause).
+            await resume.wait()
+            return found
+
+        monkeypatch.setattr(stalled, "_earlier_verdict", stall_after_looking)
+        judging = asyncio.create_task(stalled.judge_due())
+        await asyncio.sleep(1.5)  # its claim runs out
+        assert await owner.judge_due() == 1
+        assert "stalled" not in owner.validator.pending
+        resume.set()
+        await asyncio.wait_for(judging, 10)
+        assert "stalled" in stalled.validator.pending, "not published: its next tick looks again"
+        await stalled.judge_due()
+        assert "stalled" not in stalled.validator.pending, "the owner's verdict found recorded"
+        found = await verdicts(settings, topics, 1)
+        assert [v.action_id for v in found] == ["stalled"]
