@@ -346,7 +346,7 @@ async def run(args: argparse.Namespace) -> None:
                 print(f"carrying over {len(done)} phase(s) from {args.carry_over}", flush=True)
             runner = Runner(command, args.seconds, workdir / "aiperf", variant, done, STARTED + args.deadline_s)
             try:
-                await run_paths(runner, model, shape, workdir)
+                await run_paths(runner, model, shape, workdir, capacity_only=args.only == "capacity")
             except OutOfTime as stop:
                 save_carry_over(args.carry_over, variant, runner.phases)
                 print(
@@ -357,13 +357,19 @@ async def run(args: argparse.Namespace) -> None:
                 return
             save_carry_over(args.carry_over, variant, runner.phases)
         # Written after each variant: a later one that fails keeps what the earlier ones measured.
-        record(variant, runner.phases, args)
+        if args.only == "capacity":
+            record_capacity(variant, runner.phases, args)
+        else:
+            record(variant, runner.phases, args)
 
 
-async def run_paths(runner: Runner, model: Path, shape: EngineShape, workdir: Path) -> None:
-    """The baseline path's phases, then the SITS path's; a path whose phases were all carried over starts nothing."""
+async def run_paths(
+    runner: Runner, model: Path, shape: EngineShape, workdir: Path, capacity_only: bool = False
+) -> None:
+    """The baseline path's phases, then the SITS path's; a path whose phases were all carried over starts nothing.
+    `capacity_only`: the SITS path's capacity pairs alone (no baseline engine, no overload sweep)."""
     # One engine at a time on this shared machine: the baseline path first, then the SITS path.
-    if runner.pending(without_phases()):
+    if not capacity_only and runner.pending(without_phases()):
         async with contextlib.AsyncExitStack() as stack:
             print("starting vLLM as it ships (OpenAI server) behind Envoy alone", flush=True)
             engines = await start_engines(stack, model, shape, workdir, baseline=True, sits=False)
@@ -383,6 +389,8 @@ async def run_paths(runner: Runner, model: Path, shape: EngineShape, workdir: Pa
                     await runner.phase(
                         f"{path}_capacity{pair}", url_of(address), engine, p0=CAPACITY, seconds=runner.seconds / 2
                     )
+            if capacity_only:
+                return
             await runner.phase("with_unloaded", url_of(sits.address), engine)
             for name, load in SWEEP:
                 await runner.phase(f"with_{name}", url_of(sits.address), engine, load)
@@ -402,24 +410,37 @@ def capacity_pairs() -> list[str]:
     return ["" if index == 0 else f"_{index + 1}" for index in range(CAPACITY_PAIRS)]
 
 
-def variant_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(figures, baseline) of one variant's phases."""
-    p0 = {name: tiers["p0"] for name, tiers in phases.items()}
-    pairs = [(p0[f"direct_capacity{s}"], p0[f"sits_capacity{s}"]) for s in capacity_pairs()]
-    with_loaded = phases["with_loaded"]["p0"]
-    served, refused = with_loaded["served"], with_loaded["refused"]
-    figures: dict[str, Any] = {
-        "p0_ttft_p99_ratio_with_sits": ratio(with_loaded["ttft_p99_ms"], p0["with_unloaded"]["ttft_p99_ms"]),
-        "p0_ttft_p99_ratio_without_sits": ratio(
-            p0["without_loaded"]["ttft_p99_ms"], p0["without_unloaded"]["ttft_p99_ms"]
-        ),
-        "p0_ttft_p99_with_over_without": ratio(with_loaded["ttft_p99_ms"], p0["without_loaded"]["ttft_p99_ms"]),
+def capacity_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(figures, baseline) of the capacity pairs: Envoy + SITS against straight to the engine."""
+    pairs = [(phases[f"direct_capacity{s}"]["p0"], phases[f"sits_capacity{s}"]["p0"]) for s in capacity_pairs()]
+    figures = {
         "throughput_ratio": ratio(
             sum(s["output_tokens_per_s"] for _, s in pairs), sum(d["output_tokens_per_s"] for d, _ in pairs)
         ),
         # The median over the pairs of each pair's difference: a pair shares the machine's state of the moment.
         "ttft_p50_added_ms": round(median([s["ttft_p50_ms"] - d["ttft_p50_ms"] for d, s in pairs]), 2),
         "capacity_pairs": len(pairs),
+    }
+    baseline = {
+        "direct_output_tokens_per_s": round(median([d["output_tokens_per_s"] for d, _ in pairs]), 2),
+        "direct_ttft_p50_ms": round(median([d["ttft_p50_ms"] for d, _ in pairs]), 2),
+    }
+    return figures, baseline
+
+
+def variant_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(figures, baseline) of one variant's phases."""
+    p0 = {name: tiers["p0"] for name, tiers in phases.items()}
+    with_loaded = phases["with_loaded"]["p0"]
+    served, refused = with_loaded["served"], with_loaded["refused"]
+    capacity, capacity_baseline = capacity_figures(phases)
+    figures: dict[str, Any] = {
+        "p0_ttft_p99_ratio_with_sits": ratio(with_loaded["ttft_p99_ms"], p0["with_unloaded"]["ttft_p99_ms"]),
+        "p0_ttft_p99_ratio_without_sits": ratio(
+            p0["without_loaded"]["ttft_p99_ms"], p0["without_unloaded"]["ttft_p99_ms"]
+        ),
+        "p0_ttft_p99_with_over_without": ratio(with_loaded["ttft_p99_ms"], p0["without_loaded"]["ttft_p99_ms"]),
+        **capacity,
         "p0_served_ratio": ratio(served, served + refused),
         "p0_samples_per_phase": min(p["served"] for p in p0.values()),
         "p2_refused_fraction_with_sits": phases["with_loaded"]["p2"]["refused_fraction"],
@@ -434,10 +455,35 @@ def variant_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], 
         "p0_ttft_p99_ms_with_loaded": with_loaded["ttft_p99_ms"],
         "p0_ttft_p99_ms_without_unloaded": p0["without_unloaded"]["ttft_p99_ms"],
         "p0_ttft_p99_ms_without_loaded": p0["without_loaded"]["ttft_p99_ms"],
-        "direct_output_tokens_per_s": round(median([d["output_tokens_per_s"] for d, _ in pairs]), 2),
-        "direct_ttft_p50_ms": round(median([d["ttft_p50_ms"] for d, _ in pairs]), 2),
+        **capacity_baseline,
     }
     return figures, baseline
+
+
+def record_capacity(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> Path:
+    """`--only capacity`: the capacity pairs' figures, in a file of their own (overload_http.json keeps the
+    whole runs)."""
+    figures, baseline = capacity_figures(phases)
+    suffix = variant_suffix(variant)
+    path = write_result(
+        "overload_http_capacity",
+        command=(
+            f".venv/bin/python -m bench.overload_http --only capacity --seconds {args.seconds:g} --variants {variant}"
+            if variant != "gpu"
+            else f"OUT=dir scripts/gpu/overload_http_gpu.sh --only capacity --seconds {args.seconds:g}"
+        ),
+        machine_text=variant_machine(variant),
+        figures={"tool": f"aiperf {AIPERF_VERSION}", **{f"{k}{suffix}": v for k, v in figures.items()}},
+        baseline={f"{k}{suffix}": v for k, v in baseline.items()},
+        goal={f"throughput_ratio{suffix}": 0.97, f"ttft_p50_added_ms{suffix}": 1.0},
+        notes=f"The capacity pairs of bench/overload_http.py alone: P0 at the engine's capacity ({CAPACITY} "
+        f"closed-loop clients) straight to the engine and through Envoy + SITS, alternated {CAPACITY_PAIRS} times "
+        f"in phases of {args.seconds / 2:g} s, on one engine (the SITS path's; the whole loop running). "
+        "throughput_ratio: over all pairs; ttft_p50_added_ms: the median of the pairs' differences.",
+        extra={"detail": {variant: {"phases": phases, "measured_at": utc_stamp(), "phase_s": args.seconds}}},
+    )
+    print(f"wrote {path}", flush=True)
+    return path
 
 
 def record(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> Path:
@@ -525,6 +571,13 @@ def main() -> int:
     )
     parser.add_argument(
         "--carry-over", type=Path, default=None, help="keep the phases done in this file, and skip them next run"
+    )
+    parser.add_argument(
+        "--only",
+        choices=["capacity"],
+        default=None,
+        help="capacity: only the capacity pairs (throughput and TTFT added through Envoy + SITS), written to "
+        "bench/results/overload_http_capacity.json",
     )
     parser.add_argument(
         "--keep-workdir", action="store_true", help="leave the run's folder (engine, Envoy, AIPerf logs) in /tmp"
