@@ -321,10 +321,8 @@ async def test_without_urgent_topics_a_record_waits_behind_the_fetched_backlog(
     assert waited >= backlog // 4, (waited, backlog)
 
 
-async def test_concurrent_partitions_are_handled_side_by_side_each_in_order(settings: Settings, topics: Topics) -> None:
-    await ensure_topics(settings)
-    # Two targets on different partitions, each first record waiting until the other's has started: handled
-    # one partition after the other, the first would wait out its timeout.
+def engines_on_two_partitions(settings: Settings) -> tuple[str, str]:
+    """Two engines of `sample`'s host whose targets the producer writes to different partitions."""
     engines = [f"e{i}" for i in range(20)]
     keys = {e: format_target_key(common_pb2.Target(host="h", gpu_uuid="GPU-1", engine=e)) for e in engines}
     first = engines[0]
@@ -333,6 +331,14 @@ async def test_concurrent_partitions_are_handled_side_by_side_each_in_order(sett
         for e in engines
         if partition_of(keys[e], settings.kafka_partitions) != partition_of(keys[first], settings.kafka_partitions)
     )
+    return first, second
+
+
+async def test_concurrent_partitions_are_handled_side_by_side_each_in_order(settings: Settings, topics: Topics) -> None:
+    await ensure_topics(settings)
+    # Two targets on different partitions, each first record waiting until the other's has started: handled
+    # one partition after the other, the first would wait out its timeout.
+    first, second = engines_on_two_partitions(settings)
     started = {first: asyncio.Event(), second: asyncio.Event()}
     timed_out: list[str] = []
     handled: dict[str, list[int]] = {first: [], second: []}
@@ -383,14 +389,7 @@ async def test_a_partition_held_by_a_slow_record_does_not_hold_the_next_fetch_of
     settings: Settings, topics: Topics
 ) -> None:
     await ensure_topics(settings)
-    engines = [f"e{i}" for i in range(20)]
-    keys = {e: format_target_key(common_pb2.Target(host="h", gpu_uuid="GPU-1", engine=e)) for e in engines}
-    slow = engines[0]
-    other = next(
-        e
-        for e in engines
-        if partition_of(keys[e], settings.kafka_partitions) != partition_of(keys[slow], settings.kafka_partitions)
-    )
+    slow, other = engines_on_two_partitions(settings)
     release = asyncio.Event()
     handled: list[tuple[str, int]] = []
     other_seen = {0: asyncio.Event(), 1: asyncio.Event()}
