@@ -30,7 +30,10 @@ scripts/gpu/overload_http_gpu.sh), `--variants gpu` runs the same model, limits
 and load on the GPU: the keys with `_gpu`, the fast machine beside the slow ones.
 A run that one call cannot hold goes on in the next: `--deadline-s S` starts no
 phase that would end later, `--carry-over FILE` keeps the phases done (and skips
-them, and an engine whose phases are all done, in the next run).
+them, and an engine whose phases are all done, in the next run). `--only capacity`
+runs the capacity pairs alone (no baseline engine, no overload sweep) into
+bench/results/overload_http_capacity.json and AIPerf's exports into
+bench/results/overload_http_capacity/.
 
 Run: .venv/bin/python -m bench.overload_http [--seconds 40] [--variants full,half_cpu]
 """
@@ -60,6 +63,7 @@ from sits_app.stack.vllm_engine import VllmOpenAIServer, VllmServer, make_random
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = ROOT / "services" / "decision" / "default_policy.yaml"
 TOOL_OUT = RESULTS / "overload_http"
+CAPACITY_TOOL_OUT = RESULTS / "overload_http_capacity"
 CAPACITY = 4
 P0_CONCURRENCY = 2
 LOAD_CONCURRENCY = 12
@@ -208,9 +212,9 @@ def tier_summary(export: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def keep_tool_files(run_dir: Path, name: str) -> None:
-    """AIPerf's own exports (JSON, CSV, its log) under bench/results/overload_http/<name>/; raw records stay out."""
-    target = TOOL_OUT / name
+def keep_tool_files(run_dir: Path, name: str, out: Path = TOOL_OUT) -> None:
+    """AIPerf's own exports (JSON, CSV, its log) under `out`/<name>/; raw records stay out."""
+    target = out / name
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True, exist_ok=True)
     for path in run_dir.rglob("*"):
@@ -235,6 +239,7 @@ class Runner:
         variant: str,
         done: dict[str, dict[str, Any]] | None = None,
         deadline: float = float("inf"),
+        tool_out: Path = TOOL_OUT,
     ) -> None:
         self.command = command
         self.seconds = seconds
@@ -243,6 +248,7 @@ class Runner:
         # Phases measured by an earlier run (--carry-over): kept, not run again.
         self.phases: dict[str, dict[str, Any]] = dict(done or {})
         self.deadline = deadline
+        self.tool_out = tool_out
 
     def pending(self, names: list[str]) -> bool:
         return any(name not in self.phases for name in names)
@@ -281,7 +287,7 @@ class Runner:
         exports = await asyncio.gather(*runs)
         self.phases[name] = {tier: tier_summary(e) for tier, e in zip(("p0", "p2"), exports, strict=False)}
         for tier in self.phases[name]:
-            keep_tool_files(self.workdir / name / tier, f"{name}_{tier}{variant_suffix(self.variant)}")
+            keep_tool_files(self.workdir / name / tier, f"{name}_{tier}{variant_suffix(self.variant)}", self.tool_out)
         print(f"  {json.dumps(self.phases[name])}", flush=True)
 
 
@@ -344,7 +350,15 @@ async def run(args: argparse.Namespace) -> None:
             done = load_carry_over(args.carry_over, variant)
             if done:
                 print(f"carrying over {len(done)} phase(s) from {args.carry_over}", flush=True)
-            runner = Runner(command, args.seconds, workdir / "aiperf", variant, done, STARTED + args.deadline_s)
+            runner = Runner(
+                command,
+                args.seconds,
+                workdir / "aiperf",
+                variant,
+                done,
+                STARTED + args.deadline_s,
+                tool_out=CAPACITY_TOOL_OUT if args.only == "capacity" else TOOL_OUT,
+            )
             try:
                 await run_paths(runner, model, shape, workdir, capacity_only=args.only == "capacity")
             except OutOfTime as stop:

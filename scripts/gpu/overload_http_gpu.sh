@@ -9,7 +9,8 @@
 #     carry [".whl-http"], run `mkdir -p /tmp/vw && cp -r .whl-http /tmp/vw/http`.
 # This call carries [".whl", "sits/v1"] (scripts/gpu/build_wheelhouse.sh; the generated stubs):
 #   OUT=dir scripts/gpu/overload_http_gpu.sh [bench/overload_http.py options, e.g. --seconds 25]
-# $OUT gets overload_http.json (bench/results/overload_http.json with the gpu variant added), run.log,
+# $OUT gets overload_http.json (bench/results/overload_http.json with the gpu variant added; with --only capacity,
+# overload_http_capacity.json instead), run.log,
 # aiperf_gpu.tar.gz (AIPerf's exports, for bench/results/overload_http/) and logs.tar.gz.
 # Phases that do not fit one call: pass `--deadline-s S --carry-over /tmp/overload-http-gpu-carry.json` in
 # back-to-back calls on the same warm machine; each keeps the phases done, and the file comes back in $OUT.
@@ -55,9 +56,11 @@ start_mesh_stack
 } 2>&1 | tee "$OUT/run.log"
 timeout "${OVERLOAD_TIMEOUT_S:-540}" python3 -m bench.overload_http --variants gpu --keep-workdir "$@" 2>&1 | tee -a "$OUT/run.log"
 cp bench/results/overload_http.json "$OUT/" 2>/dev/null
+cp bench/results/overload_http_capacity.json "$OUT/" 2>/dev/null  # --only capacity
 cp /tmp/overload-http-gpu-carry.json "$OUT/" 2>/dev/null
-# AIPerf's exports of this run (bench/results/overload_http/*_gpu), one archive: $OUT brings back 8 files at most.
-(cd bench/results && tar -czf "$OUT/aiperf_gpu.tar.gz" overload_http/*_gpu) 2>/dev/null \
+# AIPerf's exports of this run (bench/results/overload_http/*_gpu, or overload_http_capacity/*_gpu with --only
+# capacity), one archive: $OUT brings back 8 files at most.
+(cd bench/results && tar -czf "$OUT/aiperf_gpu.tar.gz" $(ls -d overload_http/*_gpu overload_http_capacity/*_gpu 2>/dev/null)) \
   || echo "no AIPerf exports to archive"
 # The runs' logs (engines, Envoy, services, AIPerf's), without the brokers' data.
 (cd /tmp && tar -czf "$OUT/logs.tar.gz" --exclude='*.sock' --exclude='*/data*' --exclude='*.jsonl' sits-bench-http-*) \
