@@ -36,7 +36,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--decision-addr", default=None, help="the decision service's gRPC address (default: SITS_DECISION_ADDR)"
     )
-    serve.add_argument("--host-name", default="", help="Target.host sent in AdmitRequest")
+    serve.add_argument(
+        "--host-name",
+        default=None,
+        help="Target.host sent in AdmitRequest (default: SITS_HOST_NAME, this host's name, as capture names the "
+        "engine's samples: admission answers from them)",
+    )
     serve.add_argument(
         "--envoy-admin",
         default=None,
@@ -82,7 +87,9 @@ async def _serve(args: argparse.Namespace, policy: MeshPolicy) -> int:
         return 2
     decision_addr = args.decision_addr or settings.decision_addr
     admission = policy.admission
-    target = common_pb2.Target(host=args.host_name, engine=admission.engine)
+    target = common_pb2.Target(
+        host=settings.host_name if args.host_name is None else args.host_name, engine=admission.engine
+    )
     envoy = EnvoyAdmin(args.envoy_admin or f"http://{policy.admin.address}:{policy.admin.port}")
     # Shed counts and the bypass gauge go to the app's /metrics, on SITS_METRICS_BIND:SITS_METRICS_PORT.
     async with ServiceApp("admission", settings) as app:

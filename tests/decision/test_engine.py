@@ -14,6 +14,7 @@ from services.decision.domain.types import (
     OomEvent,
     PlannedCommand,
     RootCauseKind,
+    Target,
     TierLoad,
 )
 from sits.runtime.clock import ManualClock
@@ -364,6 +365,24 @@ def test_admit_refuses_what_does_not_fit_and_says_why(policy: Policy, clock: Man
     assert engine.admit(TARGET, prompt_tokens=1500, max_tokens=200, priority=Tier.P0).admitted
     too_long = engine.admit(TARGET, prompt_tokens=40000, max_tokens=1)
     assert not too_long.admitted and "max model length" in too_long.reason
+
+
+def test_an_admission_query_naming_no_gpu_is_answered_from_that_engines_samples(
+    policy: Policy, clock: ManualClock
+) -> None:
+    profile = EngineProfile(known_model("llama-3-8b"), max_model_len=32768)
+    engine = DecisionEngine(policy, clock, profiles={"vllm-0": profile})
+    load = EngineLoad(kv_cache_usage=0.8, kv_blocks_total=1000, kv_blocks_used=800, block_size=16)
+    engine.observe(make_sample(1.0, 0.7, engine=load))
+    # The admission processor knows its host and engine, not the GPU capture read from NVML.
+    query = Target(TARGET.host, "", "", TARGET.engine)
+    assert engine.admit(query, prompt_tokens=1500, max_tokens=200).kv_bytes_free == 200 * 16 * 131072
+    assert not engine.admit(query, prompt_tokens=1500, max_tokens=200).admitted
+    # Another host's engine of the same name, or a query naming another GPU, is not this one.
+    elsewhere = engine.admit(Target("host-b", "", "", TARGET.engine), prompt_tokens=1500, max_tokens=200)
+    assert elsewhere.admitted and elsewhere.kv_bytes_free == 0 and "no KV block figures" in elsewhere.reason
+    other_gpu = engine.admit(Target(TARGET.host, "GPU-9", "", TARGET.engine), prompt_tokens=1500, max_tokens=200)
+    assert other_gpu.kv_bytes_free == 0
 
 
 def test_prompt_logprobs_are_refused_when_one_chunks_logits_would_not_fit_the_device(

@@ -158,6 +158,8 @@ class DecisionEngine:
         self._profiles: dict[str, EngineProfile] = dict(profiles or {})
         self._window_settings = window or WindowSettings()
         self._states: dict[str, _TargetState] = {}
+        # (host, engine) → the key of that engine's target, for admission queries that name no GPU.
+        self._engine_keys: dict[tuple[str, str], str] = {}
         # Last command time per command target (engine, or the GPU shared by several engines).
         self._last_command_t: dict[str, float] = {}
         self._rule_fired_t: dict[tuple[str, str], float] = {}
@@ -220,6 +222,20 @@ class DecisionEngine:
                 ),
             )
             self._states[key] = state
+            if len(self._engine_keys) >= 2 * MAX_TARGETS:
+                # Entries of forgotten targets: keep those still known.
+                self._engine_keys = {k: v for k, v in self._engine_keys.items() if v in self._states}
+            self._engine_keys[(target.host, target.engine)] = key
+        return state
+
+    def _admission_state(self, target: Target) -> _TargetState | None:
+        """The state an admission query is about. The admission processor names its engine by host and engine
+        name only: the GPU it runs on is capture's to know (NVML), so a query without one finds the target
+        that engine's samples came from."""
+        state = self._states.get(target.key)
+        if state is None and not target.gpu_uuid and not target.mig_instance:
+            key = self._engine_keys.get((target.host, target.engine))
+            state = self._states.get(key) if key is not None else None
         return state
 
     def observe(self, sample: Sample) -> list[PlannedCommand]:
@@ -925,7 +941,7 @@ class DecisionEngine:
         priority: Tier | None = None,
         prompt_logprobs: int = 0,
     ) -> AdmitDecision:
-        state = self._states.get(target.key)
+        state = self._admission_state(target)
         profile = self._profiles.get(target.engine)
         reserve = self._policy.spec.admission.p0_reserved_kv_fraction
         if state is None:
