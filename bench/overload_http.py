@@ -476,25 +476,40 @@ def variant_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], 
 
 def record_capacity(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> Path:
     """`--only capacity`: the capacity pairs' figures, in a file of their own (overload_http.json keeps the
-    whole runs)."""
-    figures, baseline = capacity_figures(phases)
-    suffix = variant_suffix(variant)
+    whole runs), beside the other variants' from the last run that measured each."""
+    previous = RESULTS / "overload_http_capacity.json"
+    details: dict[str, Any] = {}
+    if previous.exists():
+        details = {name: d for name, d in json.loads(previous.read_text())["detail"].items() if name != variant}
+    details[variant] = {
+        "phases": phases,
+        "measured_at": utc_stamp(),
+        "machine": variant_machine(variant),
+        "phase_s": args.seconds,
+    }
+    figures: dict[str, Any] = {"tool": f"aiperf {AIPERF_VERSION}"}
+    baseline: dict[str, Any] = {}
+    goal: dict[str, Any] = {}
+    for name, detail in details.items():
+        some_figures, some_baseline = capacity_figures(detail["phases"])
+        suffix = variant_suffix(name)
+        figures.update({f"{k}{suffix}": v for k, v in some_figures.items()})
+        baseline.update({f"{k}{suffix}": v for k, v in some_baseline.items()})
+        goal.update({f"throughput_ratio{suffix}": 0.97, f"ttft_p50_added_ms{suffix}": 1.0})
     path = write_result(
         "overload_http_capacity",
-        command=(
-            f".venv/bin/python -m bench.overload_http --only capacity --seconds {args.seconds:g} --variants {variant}"
-            if variant != "gpu"
-            else f"OUT=dir scripts/gpu/overload_http_gpu.sh --only capacity --seconds {args.seconds:g}"
-        ),
-        machine_text=variant_machine(variant),
-        figures={"tool": f"aiperf {AIPERF_VERSION}", **{f"{k}{suffix}": v for k, v in figures.items()}},
-        baseline={f"{k}{suffix}": v for k, v in baseline.items()},
-        goal={f"throughput_ratio{suffix}": 0.97, f"ttft_p50_added_ms{suffix}": 1.0},
+        command=".venv/bin/python -m bench.overload_http --only capacity --seconds S --variants V (S: detail's "
+        "phase_s); gpu: OUT=dir scripts/gpu/overload_http_gpu.sh --only capacity --seconds S",
+        machine_text="; ".join(f"{name}: {d['machine']}" for name, d in details.items()),
+        figures=figures,
+        baseline=baseline,
+        goal=goal,
         notes=f"The capacity pairs of bench/overload_http.py alone: P0 at the engine's capacity ({CAPACITY} "
         f"closed-loop clients) straight to the engine and through Envoy + SITS, alternated {CAPACITY_PAIRS} times "
-        f"in phases of {args.seconds / 2:g} s, on one engine (the SITS path's; the whole loop running). "
-        "throughput_ratio: over all pairs; ttft_p50_added_ms: the median of the pairs' differences.",
-        extra={"detail": {variant: {"phases": phases, "measured_at": utc_stamp(), "phase_s": args.seconds}}},
+        "in phases of half of phase_s, on one engine (the SITS path's; the whole loop running). "
+        "throughput_ratio: over all pairs; ttft_p50_added_ms: the median of the pairs' differences. "
+        "Keys with _gpu: vLLM's CUDA build on the device machine; the others: the 2-core CPU machine.",
+        extra={"detail": details},
     )
     print(f"wrote {path}", flush=True)
     return path
