@@ -50,7 +50,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -474,6 +474,26 @@ def variant_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], 
     return figures, baseline
 
 
+def this_run(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """What a result file's `detail` keeps of this run of `variant`."""
+    return {"phases": phases, "measured_at": utc_stamp(), "machine": variant_machine(variant), "phase_s": args.seconds}
+
+
+def suffixed_figures(
+    details: dict[str, Any], figures_of: Callable[[dict[str, dict[str, Any]]], tuple[dict[str, Any], dict[str, Any]]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(figures, baseline) of every variant in `details`, keys suffixed by variant (`_half_cpu`, `_gpu`)."""
+    figures: dict[str, Any] = {"tool": f"aiperf {AIPERF_VERSION}"}
+    baseline: dict[str, Any] = {}
+    for name in VARIANTS:
+        if name in details:
+            some_figures, some_baseline = figures_of(details[name]["phases"])
+            suffix = variant_suffix(name)
+            figures.update({f"{k}{suffix}": v for k, v in some_figures.items()})
+            baseline.update({f"{k}{suffix}": v for k, v in some_baseline.items()})
+    return figures, baseline
+
+
 def record_capacity(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Namespace) -> Path:
     """`--only capacity`: the capacity pairs' figures, in a file of their own (overload_http.json keeps the
     whole runs), beside the other variants' from the last run that measured each."""
@@ -481,21 +501,13 @@ def record_capacity(variant: str, phases: dict[str, dict[str, Any]], args: argpa
     details: dict[str, Any] = {}
     if previous.exists():
         details = {name: d for name, d in json.loads(previous.read_text())["detail"].items() if name != variant}
-    details[variant] = {
-        "phases": phases,
-        "measured_at": utc_stamp(),
-        "machine": variant_machine(variant),
-        "phase_s": args.seconds,
+    details[variant] = this_run(variant, phases, args)
+    figures, baseline = suffixed_figures(details, capacity_figures)
+    goal = {
+        f"{key}{variant_suffix(name)}": value
+        for name in details
+        for key, value in (("throughput_ratio", 0.97), ("ttft_p50_added_ms", 1.0))
     }
-    figures: dict[str, Any] = {"tool": f"aiperf {AIPERF_VERSION}"}
-    baseline: dict[str, Any] = {}
-    goal: dict[str, Any] = {}
-    for name, detail in details.items():
-        some_figures, some_baseline = capacity_figures(detail["phases"])
-        suffix = variant_suffix(name)
-        figures.update({f"{k}{suffix}": v for k, v in some_figures.items()})
-        baseline.update({f"{k}{suffix}": v for k, v in some_baseline.items()})
-        goal.update({f"throughput_ratio{suffix}": 0.97, f"ttft_p50_added_ms{suffix}": 1.0})
     path = write_result(
         "overload_http_capacity",
         command=".venv/bin/python -m bench.overload_http --only capacity --seconds S --variants V (S: detail's "
@@ -529,20 +541,8 @@ def record(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Names
             found = re.search(r"--seconds (\d+(?:\.\d+)?)", kept.get("command", ""))
             if found:
                 detail.setdefault("phase_s", float(found.group(1)))
-    details[variant] = {
-        "phases": phases,
-        "measured_at": utc_stamp(),
-        "machine": variant_machine(variant),
-        "phase_s": args.seconds,
-    }
-    figures: dict[str, Any] = {"tool": f"aiperf {AIPERF_VERSION}"}
-    baseline: dict[str, Any] = {}
-    for name in VARIANTS:
-        if name in details:
-            some_figures, some_baseline = variant_figures(details[name]["phases"])
-            suffix = variant_suffix(name)
-            figures.update({f"{k}{suffix}": v for k, v in some_figures.items()})
-            baseline.update({f"{k}{suffix}": v for k, v in some_baseline.items()})
+    details[variant] = this_run(variant, phases, args)
+    figures, baseline = suffixed_figures(details, variant_figures)
     goal = {
         "p0_ttft_p99_ratio_with_sits": 1.5,
         "p0_ttft_p99_with_over_without": 0.333,
