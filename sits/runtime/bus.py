@@ -589,13 +589,14 @@ class EventConsumer:
 
     def _reap_in_flight(self, only: set[TopicPartition] | None = None) -> list[BaseException]:
         """Forget the partition tasks that ended; the errors they raised."""
-        failures = []
+        failures: list[BaseException] = []
         for tp, task in list(self._in_flight.items()):
             if task.done() and (only is None or tp in only):
                 del self._in_flight[tp]
-                if not task.cancelled() and task.exception() is not None:
-                    failures.append(task.exception())
-        return [f for f in failures if f is not None]
+                error = None if task.cancelled() else task.exception()
+                if error is not None:
+                    failures.append(error)
+        return failures
 
     async def _finish_in_flight(self, only: set[TopicPartition] | None = None, timeout_s: float | None = None) -> bool:
         """Wait for the partition tasks in hand (on `only`, or all); False when some did not end in `timeout_s`."""
