@@ -65,20 +65,16 @@ class EngineShape:
     gpu_memory_utilization: float = 0.0
 
     def server(self, model: Path, log_path: Path, sits: bool) -> VllmServer:
-        extra: tuple[str, ...] = ("--num-gpu-blocks-override", str(self.kv_blocks))
-        if self.gpu_memory_utilization:
-            # As many blocks in 16 tokens would hold an eighth of the CPU engine's KV: with anything running, less
-            # than twice the largest request would be free, and admission's bypass would never open (docs/http.md).
+        # On the GPU, as many blocks of 16 tokens would hold an eighth of the CPU engine's KV: with anything
+        # running, less than twice the largest request would be free, and admission's bypass would never open
+        # (docs/http.md). So the GPU engine gets the CPU's KV in tokens.
+        on_gpu = bool(self.gpu_memory_utilization)
+        blocks = self.kv_blocks * CPU_BLOCK_TOKENS // CUDA_BLOCK_TOKENS if on_gpu else self.kv_blocks
+        extra: tuple[str, ...] = ("--num-gpu-blocks-override", str(blocks))
+        if on_gpu:
             # bfloat16: the random Llama is saved in float32, and FlashAttention (vLLM's default on Hopper) takes
             # only 16-bit types.
-            extra = (
-                "--num-gpu-blocks-override",
-                str(self.kv_blocks * CPU_BLOCK_TOKENS // CUDA_BLOCK_TOKENS),
-                "--gpu-memory-utilization",
-                str(self.gpu_memory_utilization),
-                "--dtype",
-                "bfloat16",
-            )
+            extra += ("--gpu-memory-utilization", str(self.gpu_memory_utilization), "--dtype", "bfloat16")
         kind = VllmOpenAIServer if self.api == "openai" else VllmServer
         return kind(
             model,
