@@ -2,7 +2,7 @@
 # install calls (../shared/gpu/vllm-h200): scenarios/h200_vllm/run_h200.sh, scripts/gpu/overload_gpu.sh,
 # scripts/gpu/overload_http_gpu.sh. Sets up what they need: $OUT, vLLM's environment, `install_wheels`,
 # a redis-server from the carried .whl/redis at /tmp/redis/bin/redis-server (H200_REDIS_LIB: the
-# libraries the image lacks), and `start_mesh_stack` (the overload benches' Envoy and Redis).
+# libraries the image lacks), `start_mesh_stack` (the overload benches' Envoy and Redis) and `machine_report`.
 export PYTHONUNBUFFERED=1
 OUT="${OUT:?set OUT before sourcing device_setup.sh}"
 mkdir -p "$OUT"
@@ -36,4 +36,12 @@ start_mesh_stack() {
     --appendonly no --dir /tmp/redis >"$OUT/redis.log" 2>&1 &
   REDIS=$!
   trap 'kill $REDIS 2>/dev/null' EXIT
+}
+
+# machine_report: the head of an overload run's log; a boot_id that differs from the last call's is a fresh machine
+# (its /tmp is empty). After start_mesh_stack, which puts Envoy on the PATH.
+machine_report() {
+  cat /proc/sys/kernel/random/boot_id
+  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
+  envoy --version | head -2
 }

