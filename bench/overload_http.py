@@ -17,7 +17,9 @@ Phases, one engine at a time (the machine is shared): the baseline engine
 unloaded and loaded; then the SITS engine: a non-overloaded sweep at the
 engine's capacity straight to the engine and through Envoy + SITS (throughput
 and added TTFT; the two alternated `CAPACITY_PAIRS` times in half-length
-phases, the added TTFT the median of the pairs' differences), then unloaded
+phases, the added TTFT the median of the pairs' differences; then one phase
+with half of those clients on each path at once, `_side_by_side`, where both
+meet the same engine steps and the same moment of the host), then unloaded
 and loaded. Each AIPerf run sends warm-up requests first (left out of its
 figures), so no phase's tail is its connections' set-up. The whole run is
 done twice, as `bench.overload`: on the whole machine, then with the engine
@@ -31,7 +33,7 @@ and load on the GPU: the keys with `_gpu`, the fast machine beside the slow ones
 A run that one call cannot hold goes on in the next: `--deadline-s S` starts no
 phase that would end later, `--carry-over FILE` keeps the phases done (and skips
 them, and an engine whose phases are all done, in the next run). `--only capacity`
-runs the capacity pairs alone (no baseline engine, no overload sweep) into
+runs the capacity pairs and the side-by-side phase alone (no baseline engine, no overload sweep) into
 bench/results/overload_http_capacity.json and AIPerf's exports into
 bench/results/overload_http_capacity/.
 
@@ -70,6 +72,8 @@ LOAD_CONCURRENCY = 12
 # The non-overloaded sweep, straight to the engine and through SITS, alternated this many times in phases of
 # half the length: what the machine drifts by in a few minutes is as large as the millisecond it measures.
 CAPACITY_PAIRS = 3
+# Then the same load split between the two paths at once (Runner.side_by_side), for one phase.
+SIDE_BY_SIDE = "capacity_side_by_side"
 # Rising P2 load, in flight: 1x and 2x the engine's slots, then 3x ("loaded", the headline figures).
 SWEEP = (("load_1x", CAPACITY), ("load_2x", 2 * CAPACITY), ("loaded", LOAD_CONCURRENCY))
 # P2's arrival cap: the 12 in flight keep the engine's 4 slots 3x over; the cap bounds how fast a refused
@@ -77,6 +81,12 @@ SWEEP = (("load_1x", CAPACITY), ("load_2x", 2 * CAPACITY), ("loaded", LOAD_CONCU
 LOAD_RATE = 20.0
 PROMPT_TOKENS = 32
 OUTPUT_TOKENS = {"p0": 32, "p2": 128}
+CAPACITY_GOALS = {
+    "throughput_ratio": 0.97,
+    "ttft_p50_added_ms": 1.0,
+    "throughput_ratio_side_by_side": 0.97,
+    "ttft_p50_added_ms_side_by_side": 1.0,
+}
 # Metrics AIPerf exports, by its tags.
 TTFT = "time_to_first_token"
 ITL = "inter_token_latency"
@@ -253,6 +263,15 @@ class Runner:
     def pending(self, names: list[str]) -> bool:
         return any(name not in self.phases for name in names)
 
+    def _to_run(self, name: str, seconds: float) -> bool:
+        """Whether phase `name` still needs running; OutOfTime where it would end after the deadline."""
+        if name in self.phases:
+            print(f"phase {name}: carried over", flush=True)
+            return False
+        if time.monotonic() + seconds + PHASE_MARGIN_S > self.deadline:
+            raise OutOfTime(name)
+        return True
+
     async def phase(
         self,
         name: str,
@@ -263,11 +282,8 @@ class Runner:
         seconds: float | None = None,
     ) -> None:
         seconds = seconds or self.seconds
-        if name in self.phases:
-            print(f"phase {name}: carried over", flush=True)
+        if not self._to_run(name, seconds):
             return
-        if time.monotonic() + seconds + PHASE_MARGIN_S > self.deadline:
-            raise OutOfTime(name)
         print(f"phase {name}: {url} P0 x{p0}{f' + P2 x{load}' if load else ''} for {seconds:.0f} s", flush=True)
         runs = [aiperf(self.command, url, engine, "p0", seconds, self.workdir / name / "p0", concurrency=p0)]
         if load:
@@ -289,6 +305,36 @@ class Runner:
         for tier in self.phases[name]:
             keep_tool_files(self.workdir / name / tier, f"{name}_{tier}{variant_suffix(self.variant)}", self.tool_out)
         print(f"  {json.dumps(self.phases[name])}", flush=True)
+
+    async def side_by_side(self, urls: dict[str, str], engine: VllmOpenAIServer) -> None:
+        """P0 at the engine's capacity, half of its clients on each path at once (`urls`: path → URL). Both
+        halves meet the same engine steps and the same moment of the host, so the difference between them is
+        the path's; in alternated phases it is also the minute's, which on the 2-core machine is tens of ms."""
+        if not self._to_run(SIDE_BY_SIDE, self.seconds):
+            return
+        each = f"P0 x{CAPACITY // 2} on each of {', '.join(urls)}"
+        print(f"phase {SIDE_BY_SIDE}: {each} for {self.seconds:.0f} s", flush=True)
+        # Different prompts on each path (seeds): the same ones would find the other path's prefix blocks cached.
+        exports = await asyncio.gather(
+            *(
+                aiperf(
+                    self.command,
+                    url,
+                    engine,
+                    "p0",
+                    self.seconds,
+                    self.workdir / SIDE_BY_SIDE / path,
+                    concurrency=CAPACITY // 2,
+                    seed=seed,
+                )
+                for seed, (path, url) in enumerate(urls.items())
+            )
+        )
+        self.phases[SIDE_BY_SIDE] = {path: tier_summary(e) for path, e in zip(urls, exports, strict=True)}
+        for path in urls:
+            name = f"{SIDE_BY_SIDE}_{path}{variant_suffix(self.variant)}"
+            keep_tool_files(self.workdir / SIDE_BY_SIDE / path, name, self.tool_out)
+        print(f"  {json.dumps(self.phases[SIDE_BY_SIDE])}", flush=True)
 
 
 def url_of(address: str) -> str:
@@ -314,7 +360,7 @@ def without_phases() -> list[str]:
 
 def with_phases() -> list[str]:
     capacity = [f"{path}_capacity{pair}" for pair in capacity_pairs() for path in ("direct", "sits")]
-    return [*capacity, "with_unloaded", *(f"with_{name}" for name, _ in SWEEP)]
+    return [*capacity, SIDE_BY_SIDE, "with_unloaded", *(f"with_{name}" for name, _ in SWEEP)]
 
 
 def load_carry_over(path: Path | None, variant: str) -> dict[str, dict[str, Any]]:
@@ -381,7 +427,7 @@ async def run_paths(
     runner: Runner, model: Path, shape: EngineShape, workdir: Path, capacity_only: bool = False
 ) -> None:
     """The baseline path's phases, then the SITS path's; a path whose phases were all carried over starts nothing.
-    `capacity_only`: the SITS path's capacity pairs alone (no baseline engine, no overload sweep)."""
+    `capacity_only`: the SITS path's capacity phases alone (no baseline engine, no overload sweep)."""
     # One engine at a time on this shared machine: the baseline path first, then the SITS path.
     if not capacity_only and runner.pending(without_phases()):
         async with contextlib.AsyncExitStack() as stack:
@@ -403,6 +449,7 @@ async def run_paths(
                     await runner.phase(
                         f"{path}_capacity{pair}", url_of(address), engine, p0=CAPACITY, seconds=runner.seconds / 2
                     )
+            await runner.side_by_side({"direct": url_of(engine.address), "sits": url_of(sits.address)}, engine)
             if capacity_only:
                 return
             await runner.phase("with_unloaded", url_of(sits.address), engine)
@@ -439,12 +486,19 @@ def capacity_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any],
         "direct_output_tokens_per_s": round(median([d["output_tokens_per_s"] for d, _ in pairs]), 2),
         "direct_ttft_p50_ms": round(median([d["ttft_p50_ms"] for d, _ in pairs]), 2),
     }
+    both = phases.get(SIDE_BY_SIDE)  # absent from runs before it existed
+    if both is not None:
+        direct, sits = both["direct"], both["sits"]
+        figures["throughput_ratio_side_by_side"] = ratio(sits["output_tokens_per_s"], direct["output_tokens_per_s"])
+        figures["ttft_p50_added_ms_side_by_side"] = round(sits["ttft_p50_ms"] - direct["ttft_p50_ms"], 2)
+        baseline["direct_output_tokens_per_s_side_by_side"] = direct["output_tokens_per_s"]
+        baseline["direct_ttft_p50_ms_side_by_side"] = direct["ttft_p50_ms"]
     return figures, baseline
 
 
 def variant_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(figures, baseline) of one variant's phases."""
-    p0 = {name: tiers["p0"] for name, tiers in phases.items()}
+    p0 = {name: tiers["p0"] for name, tiers in phases.items() if "p0" in tiers}
     with_loaded = phases["with_loaded"]["p0"]
     served, refused = with_loaded["served"], with_loaded["refused"]
     capacity, capacity_baseline = capacity_figures(phases)
@@ -504,9 +558,10 @@ def record_capacity(variant: str, phases: dict[str, dict[str, Any]], args: argpa
     details[variant] = this_run(variant, phases, args)
     figures, baseline = suffixed_figures(details, capacity_figures)
     goal = {
-        f"{key}{variant_suffix(name)}": value
+        key: value
         for name in details
-        for key, value in (("throughput_ratio", 0.97), ("ttft_p50_added_ms", 1.0))
+        for goal_key, value in CAPACITY_GOALS.items()
+        if (key := f"{goal_key}{variant_suffix(name)}") in figures  # a run from before the side-by-side phase
     }
     path = write_result(
         "overload_http_capacity",
@@ -520,6 +575,7 @@ def record_capacity(variant: str, phases: dict[str, dict[str, Any]], args: argpa
         f"closed-loop clients) straight to the engine and through Envoy + SITS, alternated {CAPACITY_PAIRS} times "
         "in phases of half of phase_s, on one engine (the SITS path's; the whole loop running). "
         "throughput_ratio: over all pairs; ttft_p50_added_ms: the median of the pairs' differences. "
+        f"_side_by_side: one phase of phase_s with {CAPACITY // 2} clients on each path at once. "
         "Keys with _gpu: vLLM's CUDA build on the device machine; the others: the 2-core CPU machine.",
         extra={"detail": details},
     )
@@ -546,8 +602,7 @@ def record(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Names
     goal = {
         "p0_ttft_p99_ratio_with_sits": 1.5,
         "p0_ttft_p99_with_over_without": 0.333,
-        "throughput_ratio": 0.97,
-        "ttft_p50_added_ms": 1.0,
+        **CAPACITY_GOALS,
         "p0_served_ratio": 1.0,
     }
     notes = (
@@ -566,7 +621,8 @@ def record(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Names
         "the SITS path (plugin, Envoy + admission processor, the whole loop). capacity phases: P0 at the engine's "
         f"capacity straight to the engine and through Envoy + SITS, alternated {CAPACITY_PAIRS} times in phases of "
         "half that (throughput_ratio: over all of them; ttft_p50_added_ms: the median of the "
-        "pairs' differences; direct figures in baseline: medians). "
+        "pairs' differences; direct figures in baseline: medians); then one phase with half of those clients on "
+        "each path at once (_side_by_side: the paths' difference in the same moment of the machine). "
         "half_cpu: the engine confined to one CPU with taskset (its API server, EngineCore and worker share it), "
         "keys with _half_cpu. gpu: the same model, limits and load on vLLM's CUDA build (engine, Envoy, the "
         "services and AIPerf on one host with a GPU and 16 CPU cores), keys with _gpu. Single run per variant; "

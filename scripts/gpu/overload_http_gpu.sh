@@ -17,7 +17,8 @@
 # They do not at --seconds 15: on an H100 on 2026-12-07 20:00, `OVERLOAD_TIMEOUT_S=525 ... --seconds 15
 # --deadline-s 490 --carry-over /tmp/overload-http-gpu-carry.json` did 11 of the 14 phases after a 66 s setup, and
 # a second call (OVERLOAD_TIMEOUT_S=450 --deadline-s 420) the other 3 in 152 s: plan two calls. Each AIPerf run
-# costs about 10 s beyond its phase (35 s while its processes imported the image's torch: docs/http.md).
+# costs about 10 s beyond its phase (35 s while its processes imported the image's torch: docs/http.md). The
+# side-by-side capacity phase (15 phases since 2026-12-08) adds one whole phase to the first call's work.
 set -u
 OUT="${OUT:-/tmp/overload-http-gpu-out}"
 . scripts/gpu/device_setup.sh
