@@ -19,8 +19,10 @@ engine's capacity straight to the engine and through Envoy + SITS (throughput
 and added TTFT; the two alternated `CAPACITY_PAIRS` times in half-length
 phases, the added TTFT the median of the pairs' differences; then one phase
 with half of those clients on each path at once, `_side_by_side`, where both
-meet the same engine steps and the same moment of the host), then unloaded
-and loaded. Each AIPerf run sends warm-up requests first (left out of its
+meet the same engine steps and the same moment of the host, and one more with
+Envoy alone in front of the same engine against Envoy + SITS,
+`_over_envoy_alone`: what SITS adds to the proxy's hop), then unloaded and
+loaded. Each AIPerf run sends warm-up requests first (left out of its
 figures), so no phase's tail is its connections' set-up. The whole run is
 done twice, as `bench.overload`: on the whole machine, then with the engine
 confined to one CPU (`half_cpu`, keys suffixed `_half_cpu`). AIPerf's own
@@ -72,8 +74,10 @@ LOAD_CONCURRENCY = 12
 # The non-overloaded sweep, straight to the engine and through SITS, alternated this many times in phases of
 # half the length: what the machine drifts by in a few minutes is as large as the millisecond it measures.
 CAPACITY_PAIRS = 3
-# Then the same load split between the two paths at once (Runner.side_by_side), for one phase.
+# Then the same load split between two paths at once (Runner.side_by_side): straight to the engine against
+# Envoy + SITS, then Envoy alone (the baseline's routes, in front of the same engine) against Envoy + SITS.
 SIDE_BY_SIDE = "capacity_side_by_side"
+SIDE_BY_SIDE_ENVOY = "capacity_side_by_side_envoy"
 # Rising P2 load, in flight: 1x and 2x the engine's slots, then 3x ("loaded", the headline figures).
 SWEEP = (("load_1x", CAPACITY), ("load_2x", 2 * CAPACITY), ("loaded", LOAD_CONCURRENCY))
 # P2's arrival cap: the 12 in flight keep the engine's 4 slots 3x over; the cap bounds how fast a refused
@@ -306,14 +310,14 @@ class Runner:
             keep_tool_files(self.workdir / name / tier, f"{name}_{tier}{variant_suffix(self.variant)}", self.tool_out)
         print(f"  {json.dumps(self.phases[name])}", flush=True)
 
-    async def side_by_side(self, urls: dict[str, str], engine: VllmOpenAIServer) -> None:
+    async def side_by_side(self, name: str, urls: dict[str, str], engine: VllmOpenAIServer) -> None:
         """P0 at the engine's capacity, half of its clients on each path at once (`urls`: path → URL). Both
         halves meet the same engine steps and the same moment of the host, so the difference between them is
         the path's; in alternated phases it is also the minute's, which on the 2-core machine is tens of ms."""
-        if not self._to_run(SIDE_BY_SIDE, self.seconds):
+        if not self._to_run(name, self.seconds):
             return
         each = f"P0 x{CAPACITY // 2} on each of {', '.join(urls)}"
-        print(f"phase {SIDE_BY_SIDE}: {each} for {self.seconds:.0f} s", flush=True)
+        print(f"phase {name}: {each} for {self.seconds:.0f} s", flush=True)
         # Different prompts on each path (seeds): the same ones would find the other path's prefix blocks cached.
         exports = await asyncio.gather(
             *(
@@ -323,18 +327,17 @@ class Runner:
                     engine,
                     "p0",
                     self.seconds,
-                    self.workdir / SIDE_BY_SIDE / path,
+                    self.workdir / name / path,
                     concurrency=CAPACITY // 2,
                     seed=seed,
                 )
                 for seed, (path, url) in enumerate(urls.items())
             )
         )
-        self.phases[SIDE_BY_SIDE] = {path: tier_summary(e) for path, e in zip(urls, exports, strict=True)}
+        self.phases[name] = {path: tier_summary(e) for path, e in zip(urls, exports, strict=True)}
         for path in urls:
-            name = f"{SIDE_BY_SIDE}_{path}{variant_suffix(self.variant)}"
-            keep_tool_files(self.workdir / SIDE_BY_SIDE / path, name, self.tool_out)
-        print(f"  {json.dumps(self.phases[SIDE_BY_SIDE])}", flush=True)
+            keep_tool_files(self.workdir / name / path, f"{name}_{path}{variant_suffix(self.variant)}", self.tool_out)
+        print(f"  {json.dumps(self.phases[name])}", flush=True)
 
 
 def url_of(address: str) -> str:
@@ -360,7 +363,7 @@ def without_phases() -> list[str]:
 
 def with_phases() -> list[str]:
     capacity = [f"{path}_capacity{pair}" for pair in capacity_pairs() for path in ("direct", "sits")]
-    return [*capacity, SIDE_BY_SIDE, "with_unloaded", *(f"with_{name}" for name, _ in SWEEP)]
+    return [*capacity, SIDE_BY_SIDE, SIDE_BY_SIDE_ENVOY, "with_unloaded", *(f"with_{name}" for name, _ in SWEEP)]
 
 
 def load_carry_over(path: Path | None, variant: str) -> dict[str, dict[str, Any]]:
@@ -449,7 +452,14 @@ async def run_paths(
                     await runner.phase(
                         f"{path}_capacity{pair}", url_of(address), engine, p0=CAPACITY, seconds=runner.seconds / 2
                     )
-            await runner.side_by_side({"direct": url_of(engine.address), "sits": url_of(sits.address)}, engine)
+            await runner.side_by_side(
+                SIDE_BY_SIDE, {"direct": url_of(engine.address), "sits": url_of(sits.address)}, engine
+            )
+            if runner.pending([SIDE_BY_SIDE_ENVOY]):
+                envoy_alone = await start_baseline(stack, engines["sits"], workdir)
+                await runner.side_by_side(
+                    SIDE_BY_SIDE_ENVOY, {"envoy": url_of(envoy_alone.address), "sits": url_of(sits.address)}, engine
+                )
             if capacity_only:
                 return
             await runner.phase("with_unloaded", url_of(sits.address), engine)
@@ -493,6 +503,13 @@ def capacity_figures(phases: dict[str, dict[str, Any]]) -> tuple[dict[str, Any],
         figures["ttft_p50_added_ms_side_by_side"] = round(sits["ttft_p50_ms"] - direct["ttft_p50_ms"], 2)
         baseline["direct_output_tokens_per_s_side_by_side"] = direct["output_tokens_per_s"]
         baseline["direct_ttft_p50_ms_side_by_side"] = direct["ttft_p50_ms"]
+    # What SITS's routes and filters add to Envoy's own hop: a figure to read, not a goal.
+    beside_envoy = phases.get(SIDE_BY_SIDE_ENVOY)
+    if beside_envoy is not None:
+        envoy, sits = beside_envoy["envoy"], beside_envoy["sits"]
+        figures["throughput_ratio_over_envoy_alone"] = ratio(sits["output_tokens_per_s"], envoy["output_tokens_per_s"])
+        figures["ttft_p50_added_ms_over_envoy_alone"] = round(sits["ttft_p50_ms"] - envoy["ttft_p50_ms"], 2)
+        baseline["envoy_alone_ttft_p50_ms_side_by_side"] = envoy["ttft_p50_ms"]
     return figures, baseline
 
 
@@ -575,7 +592,9 @@ def record_capacity(variant: str, phases: dict[str, dict[str, Any]], args: argpa
         f"closed-loop clients) straight to the engine and through Envoy + SITS, alternated {CAPACITY_PAIRS} times "
         "in phases of half of phase_s, on one engine (the SITS path's; the whole loop running). "
         "throughput_ratio: over all pairs; ttft_p50_added_ms: the median of the pairs' differences. "
-        f"_side_by_side: one phase of phase_s with {CAPACITY // 2} clients on each path at once. "
+        f"_side_by_side: one phase of phase_s with {CAPACITY // 2} clients on each path at once; "
+        "_over_envoy_alone: the same with Envoy alone (no admission processor) in front of the same engine "
+        "in place of the direct path. "
         "Keys with _gpu: vLLM's CUDA build on the device machine; the others: the 2-core CPU machine.",
         extra={"detail": details},
     )
@@ -622,7 +641,8 @@ def record(variant: str, phases: dict[str, dict[str, Any]], args: argparse.Names
         f"capacity straight to the engine and through Envoy + SITS, alternated {CAPACITY_PAIRS} times in phases of "
         "half that (throughput_ratio: over all of them; ttft_p50_added_ms: the median of the "
         "pairs' differences; direct figures in baseline: medians); then one phase with half of those clients on "
-        "each path at once (_side_by_side: the paths' difference in the same moment of the machine). "
+        "each path at once (_side_by_side: the paths' difference in the same moment of the machine; "
+        "_over_envoy_alone: Envoy alone against Envoy + SITS the same way). "
         "half_cpu: the engine confined to one CPU with taskset (its API server, EngineCore and worker share it), "
         "keys with _half_cpu. gpu: the same model, limits and load on vLLM's CUDA build (engine, Envoy, the "
         "services and AIPerf on one host with a GPU and 16 CPU cores), keys with _gpu. Single run per variant; "

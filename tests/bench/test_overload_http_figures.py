@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.overload_http import SIDE_BY_SIDE, capacity_figures, capacity_pairs, variant_figures
+from bench.overload_http import (
+    SIDE_BY_SIDE,
+    SIDE_BY_SIDE_ENVOY,
+    capacity_figures,
+    capacity_pairs,
+    variant_figures,
+)
 
 
 def p0(ttft_p50_ms: float, tokens_per_s: float) -> dict[str, Any]:
@@ -29,7 +35,10 @@ def pairs(added_ms: list[float]) -> dict[str, dict[str, Any]]:
 def test_the_side_by_side_phase_gives_its_own_figures_beside_the_pairs() -> None:
     phases = pairs([3.0, -1.0, 5.0])
     phases[SIDE_BY_SIDE] = {"direct": p0(30.0, 500.0), "sits": p0(30.5, 490.0)}
+    phases[SIDE_BY_SIDE_ENVOY] = {"envoy": p0(32.0, 480.0), "sits": p0(31.0, 504.0)}
     figures, baseline = capacity_figures(phases)
+    assert figures["ttft_p50_added_ms_over_envoy_alone"] == -1.0
+    assert figures["throughput_ratio_over_envoy_alone"] == 1.05
     assert figures["ttft_p50_added_ms"] == 3.0  # the median of the pairs' differences
     assert figures["throughput_ratio"] == 0.95
     assert figures["ttft_p50_added_ms_side_by_side"] == 0.5
@@ -40,6 +49,7 @@ def test_the_side_by_side_phase_gives_its_own_figures_beside_the_pairs() -> None
 def test_a_run_from_before_the_side_by_side_phase_still_has_its_figures() -> None:
     figures, _ = capacity_figures(pairs([1.0, 2.0, 3.0]))
     assert "ttft_p50_added_ms_side_by_side" not in figures
+    assert "ttft_p50_added_ms_over_envoy_alone" not in figures
     assert figures["ttft_p50_added_ms"] == 2.0
 
 
