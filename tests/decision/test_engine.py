@@ -383,6 +383,9 @@ def test_an_admission_query_naming_no_gpu_is_answered_from_that_engines_samples(
     assert elsewhere.admitted and elsewhere.kv_bytes_free == 0 and "no KV block figures" in elsewhere.reason
     other_gpu = engine.admit(Target(TARGET.host, "GPU-9", "", TARGET.engine), prompt_tokens=1500, max_tokens=200)
     assert other_gpu.kv_bytes_free == 0
+    # Handed over to another replica: the index no longer leads to it.
+    engine.hand_over(lambda key: key == TARGET.key)
+    assert engine.admit(query, prompt_tokens=1500, max_tokens=200).kv_bytes_free == 0
 
 
 def test_prompt_logprobs_are_refused_when_one_chunks_logits_would_not_fit_the_device(

@@ -206,8 +206,7 @@ class DecisionEngine:
         if state is None:
             if len(self._states) >= MAX_TARGETS:
                 # Forget the target heard from least recently; it rebuilds its window if it comes back.
-                oldest = min(self._states, key=lambda k: self._states[k].window.latest_t)
-                del self._states[oldest]
+                self._forget(min(self._states, key=lambda k: self._states[k].window.latest_t))
             fc = self._policy.spec.forecast
             ws = self._window_settings
             state = _TargetState(
@@ -222,10 +221,15 @@ class DecisionEngine:
                 ),
             )
             self._states[key] = state
-            if len(self._engine_keys) >= 2 * MAX_TARGETS:
-                # Entries of forgotten targets: keep those still known.
-                self._engine_keys = {k: v for k, v in self._engine_keys.items() if v in self._states}
             self._engine_keys[(target.host, target.engine)] = key
+        return state
+
+    def _forget(self, key: str) -> _TargetState:
+        """Drop a target's state, and the admission index's entry where it leads to that target."""
+        state = self._states.pop(key)
+        engine_key = (state.target.host, state.target.engine)
+        if self._engine_keys.get(engine_key) == key:
+            del self._engine_keys[engine_key]
         return state
 
     def _admission_state(self, target: Target) -> _TargetState | None:
@@ -287,7 +291,7 @@ class DecisionEngine:
         Windows are not in it: the next owner rebuilds them from the metrics topic (`warm`)."""
         out: dict[str, dict[str, Any]] = {}
         for key in [k for k in self._states if owned_elsewhere(k)]:
-            state = self._states.pop(key)
+            state = self._forget(key)
             gpu_key = state.target.gpu_level().key
             out[key] = {
                 "target": [state.target.host, state.target.gpu_uuid, state.target.mig_instance, state.target.engine],
